@@ -1,0 +1,108 @@
+"""`GPTConfig`: the frozen description of a GPT, and named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes and choices of a GPT. Validated on construction.
+
+    **Fields:**
+
+    - `vocab_size`, `seq_len`: vocabulary size and the longest sequence (position table).
+    - `num_layers`, `num_heads`, `num_kv_heads`, `embed_dim`, `mlp_dim`: shape;
+      `num_kv_heads=None` means MHA, `mlp_dim=None` means `4 * embed_dim`.
+    - `norm`, `mlp`, `position`: "layernorm"/"rmsnorm", "gelu"/"swiglu", "learned"/"rope".
+    - `use_bias`: biases in linear layers and LayerNorms (GPT-2: yes, Llama: no).
+    - `tie_embeddings`: reuse the token table as the output head.
+    - `attention_kernel`: "reference", "blockwise" or "cudnn".
+    - `mask`, `window`: "causal" or "sliding" (with `window` keys).
+    - `remat`: gradient checkpointing per block (see `eqgpt.nn.remat`).
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    embed_dim: int = 256
+    mlp_dim: int | None = None
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    position: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10000.0
+    use_bias: bool = True
+    tie_embeddings: bool = True
+    attention_kernel: Literal["reference", "blockwise", "cudnn"] = "reference"
+    mask: Literal["causal", "sliding"] = "causal"
+    window: int | None = None
+    remat: str = "none"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "embed_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}.")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads}); "
+                f"pick num_heads from {[d for d in range(1, self.embed_dim + 1) if self.embed_dim % d == 0][:12]}..."
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads}); "
+                f"pick from {[d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]}."
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim; got {self.head_dim}.")
+        if self.mask == "sliding" and not self.window:
+            raise ValueError('mask="sliding" needs window=N (keys per query).')
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return 4 * self.embed_dim if self.mlp_dim is None else self.mlp_dim
+
+    def replace(self, **changes) -> GPTConfig:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+_GPT2 = dict(vocab_size=50257, seq_len=1024, norm="layernorm", mlp="gelu", position="learned",
+             use_bias=True, tie_embeddings=True)
+_LLAMA = dict(norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", position="rope", use_bias=False,
+              tie_embeddings=False)
+
+PRESETS: dict[str, GPTConfig] = {
+    # CPU-sized byte-level models: the default recipe and the tests.
+    "nano": GPTConfig(vocab_size=256, seq_len=256, num_layers=4, num_heads=4, embed_dim=256),
+    "llama-nano": GPTConfig(vocab_size=256, seq_len=256, num_layers=4, num_heads=4,
+                            num_kv_heads=2, embed_dim=256, mlp_dim=688, **_LLAMA),
+    # GPT-2 (Radford et al. 2019), with its 50257-token vocabulary.
+    "gpt2-small": GPTConfig(num_layers=12, num_heads=12, embed_dim=768, **_GPT2),
+    "gpt2-medium": GPTConfig(num_layers=24, num_heads=16, embed_dim=1024, **_GPT2),
+    "gpt2-large": GPTConfig(num_layers=36, num_heads=20, embed_dim=1280, **_GPT2),
+    "gpt2-xl": GPTConfig(num_layers=48, num_heads=25, embed_dim=1600, **_GPT2),
+    # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (shape of a ~1B model).
+    "llama-1b": GPTConfig(vocab_size=32000, seq_len=2048, num_layers=16, num_heads=32,
+                          num_kv_heads=8, embed_dim=2048, mlp_dim=5632, rope_theta=500000.0, **_LLAMA),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """The named preset, with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

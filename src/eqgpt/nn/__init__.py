@@ -1,0 +1,20 @@
+"""Typed Equinox modules for GPT models. Nothing here knows about devices."""
+
+from eqgpt.nn.attention import Attention, KVCache
+from eqgpt.nn.axes import LogicalAxes, NoConstraint, logical_axes, map_constraints
+from eqgpt.nn.block import Block
+from eqgpt.nn.embedding import Embedding
+from eqgpt.nn.gpt import GPT, make_block
+from eqgpt.nn.linear import Linear
+from eqgpt.nn.loss import chunked_cross_entropy, lm_loss
+from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask, make_mask
+from eqgpt.nn.mlp import MLP, SwiGLU
+from eqgpt.nn.norm import LayerNorm, RMSNorm
+from eqgpt.nn.rope import apply_rope
+
+__all__ = [
+    "GPT", "Attention", "KVCache", "Block", "Embedding", "Linear", "MLP", "SwiGLU",
+    "LayerNorm", "RMSNorm", "Mask", "CausalMask", "DocumentMask", "FullMask",
+    "SlidingWindowMask", "make_mask", "apply_rope", "make_block", "lm_loss",
+    "chunked_cross_entropy", "logical_axes", "map_constraints", "LogicalAxes", "NoConstraint",
+]

@@ -1,0 +1,168 @@
+"""Multi-head attention with grouped key/value heads (MHA, GQA, MQA)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqgpt.nn.axes import NoConstraint
+from eqgpt.nn.kernels import get_kernel
+from eqgpt.nn.linear import Linear
+from eqgpt.nn.mask import CausalMask, Mask
+from eqgpt.nn.rope import apply_rope
+
+
+class KVCache(eqx.Module):
+    """Keys and values of the tokens seen so far, `[batch, max_len, kv_heads, head_dim]`."""
+
+    k: Float[Array, "*layers batch max_len kv_heads head_dim"]
+    v: Float[Array, "*layers batch max_len kv_heads head_dim"]
+
+    @classmethod
+    def empty(cls, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype=jnp.float32):
+        z = jnp.zeros((batch, max_len, kv_heads, head_dim), dtype)
+        return cls(z, z)
+
+
+class Attention(eqx.Module):
+    """Causal self-attention with `num_heads` query heads sharing `num_kv_heads` kv heads.
+
+    `num_kv_heads == num_heads` is MHA, `1` is MQA, anything dividing `num_heads` is
+    GQA. The softmax runs in the kernel named by `kernel` (see `eqgpt.nn.kernels`).
+    Query, key, value and output projections are tagged with `checkpoint_name`
+    (`query_proj`, `key_proj`, `value_proj`, `attn_out`) for remat policies.
+    """
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    mask: Mask
+    shard: NoConstraint
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    kernel: str = eqx.field(static=True)
+    rope_theta: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        kernel: str = "reference",
+        mask: Mask | None = None,
+        rope_theta: float | None = None,
+        use_bias: bool = True,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `embed_dim`: model width; must be divisible by `num_heads`.
+        - `num_heads`, `num_kv_heads`: query heads and key/value heads
+          (`num_kv_heads` defaults to `num_heads` and must divide it).
+        - `kernel`: "reference", "blockwise" or "cudnn".
+        - `mask`: a `Mask`; causal by default.
+        - `rope_theta`: apply rotary embeddings with this base, or `None` for none.
+        - `use_bias`: biases on the projections (GPT-2 has them, Llama not).
+        - `init_std`, `out_init_std`: init scales of the input and output projections.
+        - `key`: a `jax.random.PRNGKey`.
+        """
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}); "
+                f"choose num_heads among the divisors of {embed_dim}."
+            )
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})."
+            )
+        get_kernel(kernel)
+        head_dim = embed_dim // num_heads
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        out_std = init_std if out_init_std is None else out_init_std
+        kv_dim = num_kv_heads * head_dim
+        self.q_proj = Linear(embed_dim, embed_dim, axes=("embed", "heads"), use_bias=use_bias, init_std=init_std, key=kq)
+        self.k_proj = Linear(embed_dim, kv_dim, axes=("embed", "kv_heads"), use_bias=use_bias, init_std=init_std, key=kk)
+        self.v_proj = Linear(embed_dim, kv_dim, axes=("embed", "kv_heads"), use_bias=use_bias, init_std=init_std, key=kv)
+        self.o_proj = Linear(embed_dim, embed_dim, axes=("heads", "embed"), use_bias=use_bias, init_std=out_std, key=ko)
+        self.mask = CausalMask() if mask is None else mask
+        self.shard = NoConstraint()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.kernel = kernel
+        self.rope_theta = rope_theta
+
+    def project(
+        self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"]
+    ) -> tuple[Array, Array, Array]:
+        """Queries `[b, t, heads, d]` and keys, values `[b, t, kv_heads, d]`, rotated if RoPE."""
+        b, t, _ = x.shape
+        q = checkpoint_name(self.q_proj(x), "query_proj").reshape(b, t, self.num_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), "key_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), "value_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.rope_theta is not None:
+            q = apply_rope(q, positions, self.rope_theta)
+            k = apply_rope(k, positions, self.rope_theta)
+        q = self.shard(q, ("batch", "inner_seq", "heads", "head_dim"))
+        k = self.shard(k, ("batch", "inner_seq", "kv_heads", "head_dim"))
+        v = self.shard(v, ("batch", "inner_seq", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def output(self, o: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq embed"]:
+        """Merge heads and apply the output projection."""
+        b, t = o.shape[:2]
+        o = self.shard(o, ("batch", "inner_seq", "heads", "head_dim"))
+        y = checkpoint_name(self.o_proj(o.reshape(b, t, -1)), "attn_out")
+        return self.shard(y, ("batch", "seq", "embed"))
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        """**Arguments:**
+
+        - `x`: input activations.
+        - `positions`: global token positions (default `0..seq-1`).
+        - `segment_ids`: document ids of packed sequences; no attention across them.
+
+        **Returns:** the attention output, shaped like `x`.
+        """
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
+        q, k, v = self.project(x, positions)
+        o = get_kernel(self.kernel)(
+            q, k, v, mask=self.mask, q_pos=positions, k_pos=positions,
+            q_seg=segment_ids, k_seg=segment_ids,
+        )
+        return self.output(o)
+
+    def decode(
+        self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]
+    ) -> tuple[Float[Array, "batch new embed"], KVCache]:
+        """Attend `x` (tokens at positions `index..index+new-1`) to the cache and itself.
+
+        **Returns:** the output and the cache with the new keys and values written.
+        Unfilled cache slots lie at later positions, so the causal mask hides them.
+        Decoding uses the dense `reference` kernel: a step has few query rows, so
+        its scores are `[new, max_len]`, small whatever the training kernel.
+        """
+        positions = index + jnp.arange(x.shape[1])
+        q, k, v = self.project(x, positions)
+        ck = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), index, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), index, axis=1)
+        o = get_kernel("reference")(
+            q, ck.astype(q.dtype), cv.astype(q.dtype), mask=self.mask,
+            q_pos=positions, k_pos=jnp.arange(ck.shape[1]),
+        )
+        return self.output(o), KVCache(ck, cv)

@@ -1,0 +1,158 @@
+"""GPT: token (+ position) embeddings -> scanned stack of blocks -> norm -> head.
+
+The layers are one `Block` whose arrays carry a leading `layers` axis, built with
+`eqx.filter_vmap` and run with `jax.lax.scan`: compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqgpt.config import GPTConfig
+from eqgpt.nn.attention import Attention, KVCache
+from eqgpt.nn.axes import NoConstraint
+from eqgpt.nn.block import Block
+from eqgpt.nn.embedding import Embedding
+from eqgpt.nn.linear import Linear
+from eqgpt.nn.mask import make_mask
+from eqgpt.nn.mlp import MLP, SwiGLU
+from eqgpt.nn.norm import LayerNorm, RMSNorm, make_norm
+
+
+def make_block(config: GPTConfig, *, key: PRNGKeyArray) -> Block:
+    """One block as `config` describes it (GPT-2 init: residual outputs scaled by 1/sqrt(2L))."""
+    c = config
+    ka, km = jax.random.split(key)
+    out_std = c.init_std / math.sqrt(2 * c.num_layers)
+    attn = Attention(
+        c.embed_dim, c.num_heads, c.kv_heads, kernel=c.attention_kernel,
+        mask=make_mask(c.mask, c.window), rope_theta=c.rope_theta if c.position == "rope" else None,
+        use_bias=c.use_bias, init_std=c.init_std, out_init_std=out_std, key=ka,
+    )
+    mlp_cls = SwiGLU if c.mlp == "swiglu" else MLP
+    mlp = mlp_cls(c.embed_dim, c.hidden_dim, use_bias=c.use_bias, init_std=c.init_std,
+                  out_init_std=out_std, key=km)
+    norm = lambda: make_norm(c.norm, c.embed_dim, eps=c.norm_eps, use_bias=c.use_bias)  # noqa: E731
+    return Block(norm(), attn, norm(), mlp, remat=c.remat)
+
+
+class GPT(eqx.Module):
+    """A decoder-only transformer language model described by a `GPTConfig`."""
+
+    tok_embed: Embedding
+    pos_embed: Embedding | None
+    blocks: Block
+    norm: LayerNorm | RMSNorm
+    head: Linear | None
+    shard: NoConstraint
+    config: GPTConfig = eqx.field(static=True)
+
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+        """**Arguments:** `config`, and `key` (a `jax.random.PRNGKey`)."""
+        c = config
+        kt, kp, kb, kh = jax.random.split(key, 4)
+        self.tok_embed = Embedding(c.vocab_size, c.embed_dim, axes=("vocab", "embed"), init_std=c.init_std, key=kt)
+        self.pos_embed = (
+            Embedding(c.seq_len, c.embed_dim, axes=(None, "embed"), init_std=0.01, key=kp)
+            if c.position == "learned" else None
+        )
+        self.blocks = eqx.filter_vmap(lambda k: make_block(c, key=k))(jax.random.split(kb, c.num_layers))
+        self.norm = make_norm(c.norm, c.embed_dim, eps=c.norm_eps, use_bias=c.use_bias)
+        self.head = (
+            None if c.tie_embeddings
+            else Linear(c.embed_dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, init_std=c.init_std, key=kh)
+        )
+        self.shard = NoConstraint()
+        self.config = c
+
+    def _check_len(self, t: int):
+        if t > self.config.seq_len:
+            raise ValueError(
+                f"sequence of {t} tokens is longer than the model's seq_len ({self.config.seq_len}); "
+                "shorten the batch or build the model with a larger seq_len."
+            )
+
+    def embed(self, tokens: Int[Array, "batch seq"], positions: Int[Array, " seq"]) -> Float[Array, "batch seq embed"]:
+        """Token embeddings plus learned position embeddings (when the model has them)."""
+        x = self.tok_embed(tokens)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)[None]
+        return self.shard(x, ("batch", "seq", "embed"))
+
+    def run_blocks(
+        self,
+        x: Float[Array, "batch seq embed"],
+        positions: Int[Array, " seq"],
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        """Apply every layer in turn with `jax.lax.scan` over the stacked blocks."""
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def layer(h, params):
+            block = eqx.combine(params, static)
+            return block(h, positions=positions, segment_ids=segment_ids), None
+
+        x, _ = jax.lax.scan(layer, x, dynamic)
+        return x
+
+    def features(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        """Final-norm hidden states: everything but the head."""
+        self._check_len(tokens.shape[1])
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+        x = self.run_blocks(self.embed(tokens, positions), positions, segment_ids)
+        return self.norm(x)
+
+    def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
+        """The output head (tied to the token table unless the model has its own)."""
+        out = self.tok_embed.attend(h) if self.head is None else self.head(h)
+        return self.shard(out, ("batch", "inner_seq", "vocab"))
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> Float[Array, "batch seq vocab"]:
+        """**Arguments:** `tokens`, optional global `positions` and `segment_ids`.
+
+        **Returns:** next-token logits. For training use `eqgpt.nn.lm_loss`, which
+        never materialises all the logits at once.
+        """
+        return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids))
+
+    def init_cache(self, batch: int, max_len: int | None = None, dtype=jnp.float32) -> KVCache:
+        """An empty KV cache for every layer: arrays `[layers, batch, max_len, kv_heads, head_dim]`."""
+        c = self.config
+        max_len = c.seq_len if max_len is None else max_len
+        self._check_len(max_len)
+        z = jnp.zeros((c.num_layers, batch, max_len, c.kv_heads, c.head_dim), dtype)
+        return KVCache(z, z)
+
+    def decode(
+        self, tokens: Int[Array, "batch new"], cache: KVCache, index: Int[Array, ""] | int
+    ) -> tuple[Float[Array, "batch new vocab"], KVCache]:
+        """Logits for `tokens` at positions `index..`, attending to the cache; the updated cache."""
+        index = jnp.asarray(index, jnp.int32)
+        positions = index + jnp.arange(tokens.shape[1])
+        x = self.embed(tokens, positions)
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def layer(h, inputs):
+            params, layer_cache = inputs
+            h, layer_cache = eqx.combine(params, static).decode(h, layer_cache, index)
+            return h, layer_cache
+
+        x, cache = jax.lax.scan(layer, x, (dynamic, cache))
+        return self.logits(self.norm(x)), cache

@@ -1,0 +1,60 @@
+"""Linear layer whose weight dimensions carry logical axis names."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from eqgpt.nn.axes import AxisNames
+
+
+class Linear(eqx.Module):
+    """`y = x @ weight + bias`, with `weight: [in_features, out_features]`.
+
+    `axes` names the two weight dimensions (e.g. `("embed", "mlp")`) so sharding
+    rules can place the weight without knowing which module it belongs to.
+    """
+
+    weight: Float[Array, "in_features out_features"]
+    bias: Float[Array, " out_features"] | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    axes: AxisNames = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: AxisNames,
+        use_bias: bool = True,
+        init_std: float = 0.02,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `in_features`, `out_features`: input and output sizes.
+        - `axes`: logical names of the (input, output) weight dimensions.
+        - `use_bias`: whether to add a bias (initialised to zero).
+        - `init_std`: standard deviation of the normal weight initialiser.
+        - `key`: a `jax.random.PRNGKey`.
+        """
+        if len(axes) != 2:
+            raise ValueError(f"Linear needs two axis names (in, out), got {axes}.")
+        self.weight = init_std * jax.random.normal(key, (in_features, out_features))
+        self.bias = jnp.zeros((out_features,)) if use_bias else None
+        self.in_features = in_features
+        self.out_features = out_features
+        self.axes = tuple(axes)
+
+    def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch out_features"]:
+        """**Arguments:** `x`, any leading dims. **Returns:** `x @ weight + bias`."""
+        y = jnp.matmul(x, self.weight.astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.astype(y.dtype)
+        return y
+
+    def param_axes(self) -> dict[str, AxisNames]:
+        return {"weight": self.axes, "bias": (self.axes[1],)}

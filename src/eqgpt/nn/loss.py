@@ -1,0 +1,82 @@
+"""Language-model loss: fp32 cross-entropy over sequence chunks, with optional z-loss.
+
+Logits are computed one chunk of positions at a time inside a checkpointed scan, so
+neither the forward nor the backward pass holds the full `[batch, seq, vocab]` fp32
+logits: only one `[batch, chunk, vocab]` slab at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def chunked_cross_entropy(
+    logits_fn: Callable[[Array], Array],
+    hidden: Float[Array, "batch seq embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    loss_mask: Float[Array, "batch seq"] | None = None,
+    chunk_size: int = 128,
+    z_loss: float = 0.0,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """Mean next-token cross-entropy (nats/token) of `logits_fn(hidden)` against `targets`.
+
+    **Arguments:**
+
+    - `logits_fn`: maps hidden states `[b, c, D]` to logits `[b, c, V]` (the head).
+    - `hidden`, `targets`: final hidden states and target ids.
+    - `loss_mask`: weights per position (1 counts, 0 ignores); default all ones.
+    - `chunk_size`: positions per chunk; the sequence is padded to a multiple.
+    - `z_loss`: weight of `mean(logsumexp(logits)^2)` (PaLM's z-loss), 0 to disable.
+
+    **Returns:** `(loss, {"nll": ..., "z_loss": ...})`; `loss = nll + z_loss * z`.
+    """
+    b, t, d = hidden.shape
+    mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
+    c = min(chunk_size, t)
+    pad = (-t) % c
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))
+    n = (t + pad) // c
+    split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)  # noqa: E731
+
+    @jax.checkpoint
+    def chunk(carry, xs):
+        h, y, m = xs
+        logits = logits_fn(h).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        nll, z = carry
+        return (nll + jnp.sum((lse - picked) * m), z + jnp.sum(jnp.square(lse) * m)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (nll, z), _ = jax.lax.scan(chunk, (zero, zero), (split(hidden), split(targets), split(mask)))
+    count = jnp.maximum(jnp.sum(mask), 1.0)
+    nll, z = nll / count, z / count
+    return nll + z_loss * z, {"nll": nll, "z_loss": z}
+
+
+def lm_loss(
+    model,
+    tokens: Int[Array, "batch seq"],
+    targets: Int[Array, "batch seq"],
+    *,
+    loss_mask: Float[Array, "batch seq"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    chunk_size: int = 128,
+    z_loss: float = 0.0,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """Chunked cross-entropy of a `GPT` on `tokens` predicting `targets`.
+
+    **Returns:** `(loss, aux)` as `chunked_cross_entropy`; use with `has_aux=True`.
+    """
+    hidden = model.features(tokens, segment_ids=segment_ids)
+    return chunked_cross_entropy(
+        model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size, z_loss=z_loss
+    )

@@ -1,0 +1,20 @@
+"""Test set-up: 8 simulated CPU devices and runtime type checking of eqgpt.
+
+Both must happen before JAX or eqgpt is imported, so they live here.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+os.environ.setdefault("XLA_FLAGS", "")
+
+import jax  # noqa: E402
+from jaxtyping import install_import_hook  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+with install_import_hook("eqgpt", "beartype.beartype"):
+    import eqgpt  # noqa: F401
+    import eqgpt.nn  # noqa: F401
