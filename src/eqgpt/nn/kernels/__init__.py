@@ -10,25 +10,19 @@ with `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_
 Softmax statistics are fp32 whatever the input dtype.
 """
 
-from eqgpt.nn.kernels.blockwise import blockwise_attention
-from eqgpt.nn.kernels.cudnn import cudnn_attention
-from eqgpt.nn.kernels.reference import reference_attention
+import importlib
+from collections.abc import Callable
 
-KERNELS = {
-    "reference": reference_attention,
-    "blockwise": blockwise_attention,
-    "cudnn": cudnn_attention,
-}
+# name -> module defining `<name>_attention`; imported on first use.
+KERNELS = ("reference", "blockwise", "cudnn")
 
 
-def get_kernel(name: str):
+def get_kernel(name: str) -> Callable:
     """Look up a kernel by name ("reference", "blockwise" or "cudnn")."""
-    try:
-        return KERNELS[name]
-    except KeyError:
-        raise ValueError(
-            f"Unknown attention kernel {name!r}; choose one of {sorted(KERNELS)}."
-        ) from None
+    if name not in KERNELS:
+        raise ValueError(f"Unknown attention kernel {name!r}; choose one of {list(KERNELS)}.")
+    module = importlib.import_module(f"eqgpt.nn.kernels.{name}")
+    return getattr(module, f"{name}_attention")
 
 
-__all__ = ["KERNELS", "get_kernel", "reference_attention", "blockwise_attention", "cudnn_attention"]
+__all__ = ["KERNELS", "get_kernel"]

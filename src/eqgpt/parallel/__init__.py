@@ -1,0 +1,35 @@
+"""Everything that knows about devices: meshes, rule sets, placement, constraints.
+
+The automatic path lives here (`mesh`, `rules`, `shard`, `placement`); manual
+`shard_map` strategies live in their own modules (`collectives`, `tensor`,
+`sequence`, `pipeline`, ...) and are imported from there.
+"""
+
+from eqgpt.parallel.mesh import AXES, MeshConfig, make_mesh, mesh_config
+from eqgpt.parallel.placement import ShardedPlacement
+from eqgpt.parallel.rules import DP, FSDP, PRESET_RULES, REPLICATED, SP, TP, AxisTable, Rules, strategy
+from eqgpt.parallel.shard import (
+    ShardingConstraint,
+    batch_sharding,
+    check_divisibility,
+    check_replication,
+    init_opt_state_sharded,
+    init_sharded,
+    opt_state_shardings,
+    param_shardings,
+    param_specs,
+    replicated_fraction,
+    rules_for,
+    shard_model,
+    shard_opt_state,
+    with_constraints,
+)
+
+__all__ = [
+    "AXES", "MeshConfig", "make_mesh", "mesh_config", "Rules", "AxisTable", "strategy",
+    "PRESET_RULES", "DP", "FSDP", "TP", "SP", "REPLICATED", "ShardingConstraint",
+    "param_specs", "param_shardings", "with_constraints", "shard_model", "init_sharded",
+    "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded", "batch_sharding",
+    "replicated_fraction", "check_replication", "check_divisibility", "rules_for",
+    "ShardedPlacement",
+]

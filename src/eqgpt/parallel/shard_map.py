@@ -1,0 +1,109 @@
+"""`filter_shard_map`: `jax.shard_map` for functions of Equinox modules.
+
+`jax.shard_map` maps over pytrees of arrays. An Equinox module mixes arrays with
+other leaves (activation functions, mask objects, hooks), so here every argument
+is split with `eqx.partition` into its arrays, which go through `shard_map`, and
+the rest, which is closed over and recombined inside. Results are split the same
+way. Specs are pytrees with a `PartitionSpec` at each array leaf (the shape
+`eqgpt.parallel.param_specs` returns), or one `PartitionSpec` for a whole argument.
+
+Specs from the automatic path's rules: `specs_from_rules(model, rules, mesh)`
+reads the same logical-axis rule sets (`eqgpt.parallel.rules`), so the manual and
+automatic paths agree on who holds what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from eqgpt.parallel.rules import Rules, strategy
+from eqgpt.parallel.shard import param_specs
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def array_specs(specs: PyTree) -> PyTree:
+    """Keep the `PartitionSpec` leaves of `specs`, `None` elsewhere (the shape of `eqx.partition`)."""
+    if is_spec(specs):
+        return specs
+    return eqx.filter(specs, is_spec, is_leaf=is_spec)
+
+
+def filter_shard_map(
+    fn: Callable,
+    *,
+    mesh: Mesh,
+    in_specs: tuple,
+    out_specs: Any,
+    check_vma: bool = True,
+) -> Callable:
+    """Run `fn(*args)` under `jax.shard_map`, where args and results may hold non-arrays.
+
+    **Arguments:**
+
+    - `fn`: the per-device function; it sees each array as its local block.
+    - `mesh`: the device mesh.
+    - `in_specs`: one entry per positional argument: a `PartitionSpec` for all its
+      arrays, or a pytree shaped like the argument with a `PartitionSpec` at each
+      array leaf (other leaves are ignored).
+    - `out_specs`: the same for the result.
+    - `check_vma`: keep JAX's varying/invariant checks on (needed for the gradients
+      described in `eqgpt.parallel.collectives`).
+
+    **Returns:** a function of the same arguments returning global arrays.
+    """
+    if not isinstance(in_specs, tuple):
+        raise ValueError("in_specs must be a tuple with one spec (tree) per positional argument.")
+    dyn_in_specs = tuple(array_specs(s) for s in in_specs)
+    dyn_out_specs = array_specs(out_specs)
+
+    def wrapped(*args):
+        if len(args) != len(in_specs):
+            raise ValueError(f"filter_shard_map got {len(args)} arguments but {len(in_specs)} in_specs.")
+        dynamic, static = eqx.partition(args, eqx.is_array)
+        out_static = []
+
+        def inner(*dyn):
+            out = fn(*eqx.combine(tuple(dyn), static))
+            out_dyn, out_stat = eqx.partition(out, eqx.is_array)
+            out_static.append(out_stat)
+            return out_dyn
+
+        mapped = jax.shard_map(
+            inner, mesh=mesh, in_specs=dyn_in_specs, out_specs=dyn_out_specs, check_vma=check_vma
+        )
+        out_dyn = mapped(*dynamic)
+        return eqx.combine(out_dyn, out_static[0])
+
+    return wrapped
+
+
+def specs_from_rules(model: PyTree, rules: Rules | str, mesh: Mesh) -> PyTree:
+    """`PartitionSpec`s for `model`'s arrays from a logical-axis rule set (as the automatic path).
+
+    **Arguments:** `model` (concrete or abstract), `rules` (a `Rules` or strategy
+    string like `"tp"`), `mesh` (size-1 axes are dropped, divisibility checked).
+
+    **Returns:** the model's structure with a `PartitionSpec` at each array leaf.
+    """
+    return param_specs(model, strategy(rules), mesh=mesh)
+
+
+def place(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
+    """Move the arrays of `tree` to `NamedSharding(mesh, spec)`; other leaves stay.
+
+    **Arguments:** `tree`, `mesh`, and `specs` as in `filter_shard_map`.
+
+    **Returns:** `tree` with its arrays placed.
+    """
+    dynamic, static = eqx.partition(tree, eqx.is_array)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), array_specs(specs), is_leaf=is_spec)
+    return eqx.combine(jax.device_put(dynamic, shardings), static)

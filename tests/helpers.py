@@ -1,0 +1,27 @@
+"""Small shared pieces for the tests: tiny configs and tree comparison."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqgpt
+
+TINY = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=4, embed_dim=32)
+TINY_LLAMA = eqgpt.preset("llama-nano").replace(
+    vocab_size=64, seq_len=32, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, mlp_dim=64
+)
+
+
+def tokens(key, batch=4, seq=16, vocab=64):
+    return jax.random.randint(key, (batch, seq), 0, vocab)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def max_abs(tree):
+    return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
