@@ -15,6 +15,7 @@ from eqgpt.parallel.shard import (
     check_replication,
     init_opt_state_sharded,
     init_sharded,
+    lower_init,
     opt_state_shardings,
     param_shardings,
     param_specs,
@@ -28,7 +29,7 @@ from eqgpt.parallel.shard import (
 __all__ = [
     "AXES", "MeshConfig", "make_mesh", "mesh_config", "Rules", "AxisTable", "strategy",
     "PRESET_RULES", "DP", "FSDP", "TP", "SP", "REPLICATED", "ShardingConstraint",
-    "param_specs", "param_shardings", "with_constraints", "shard_model", "init_sharded",
+    "param_specs", "param_shardings", "with_constraints", "shard_model", "init_sharded", "lower_init",
     "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded", "batch_sharding",
     "replicated_fraction", "check_replication", "check_divisibility", "rules_for",
     "ShardedPlacement",

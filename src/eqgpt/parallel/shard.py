@@ -164,6 +164,27 @@ def _only_shardings(shardings: PyTree) -> PyTree:
     return eqx.partition(shardings, lambda s: isinstance(s, NamedSharding))[0]
 
 
+def _init_program(make, key, mesh, rules, overrides):
+    abstract = eqx.filter_eval_shape(make, key)
+    out_shardings = _only_shardings(param_shardings(abstract, mesh, rules, overrides))
+
+    def build(k):
+        return _split(make(k))[0]
+
+    return jax.jit(build, out_shardings=out_shardings), _split(abstract)[1]
+
+
+def lower_init(
+    make: Callable[[PRNGKeyArray], PyTree],
+    key: PRNGKeyArray,
+    mesh: Mesh,
+    rules: Rules,
+    overrides: Overrides = None,
+) -> jax.stages.Lowered:
+    """The initialisation program `init_sharded` runs, lowered (to inspect its memory)."""
+    return _init_program(make, key, mesh, rules, overrides)[0].lower(key)
+
+
 def init_sharded(
     make: Callable[[PRNGKeyArray], PyTree],
     key: PRNGKeyArray,
@@ -174,22 +195,15 @@ def init_sharded(
     """Build `make(key)` with every array created directly in its sharding.
 
     The shapes come from `eqx.filter_eval_shape`; then `make` runs under `jax.jit`
-    with `out_shardings`, so no device ever holds a whole parameter it should not.
+    with `out_shardings`, so each device computes only its own part of each
+    parameter and no device ever holds a whole parameter it should not.
 
     **Arguments:** `make` (key -> model), `key`, `mesh`, `rules`, `overrides`.
 
     **Returns:** the placed model with activation constraints installed.
     """
-    abstract = eqx.filter_eval_shape(make, key)
-    shardings = param_shardings(abstract, mesh, rules, overrides)
-    static = _split(abstract)[1]
-    out_shardings = _only_shardings(shardings)
-
-    def build(k):
-        return _split(make(k))[0]
-
-    dynamic = jax.jit(build, out_shardings=out_shardings)(key)
-    return with_constraints(eqx.combine(dynamic, static), mesh, rules, overrides)
+    program, static = _init_program(make, key, mesh, rules, overrides)
+    return with_constraints(eqx.combine(program(key), static), mesh, rules, overrides)
 
 
 def opt_state_shardings(
@@ -346,7 +360,7 @@ def check_divisibility(
 
 __all__ = [
     "param_specs", "param_shardings", "ShardingConstraint", "with_constraints", "shard_model",
-    "init_sharded", "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded",
+    "init_sharded", "lower_init", "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded",
     "batch_sharding", "replicated_fraction", "check_replication", "check_divisibility",
     "rules_for", "path_str",
 ]

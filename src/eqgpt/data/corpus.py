@@ -1,0 +1,205 @@
+"""Corpora: the Python standard library (the embedded default), text files, token files.
+
+A corpus is two token arrays, `train` and `val`, read from a cache of `np.memmap`
+files so that a large corpus is tokenized once and never held in memory twice.
+Text corpora are split **by file**: a file's relative path decides (by a stable
+hash) whether it is held out, so the split does not change when files are added
+elsewhere and no validation text leaks into training through a shared file.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from jaxtyping import Int
+
+from eqgpt.data.tokenizer import ByteTokenizer
+
+# Directories of the stdlib that are not ordinary library code (tests, vendored
+# third-party packages, IDLE's tests): left out of the default corpus.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Train and validation tokens of one source.
+
+    **Fields:** `name` (where it came from), `train` and `val` (1-D integer arrays,
+    usually read-only memmaps), `vocab_size`, and the files of each split.
+    """
+
+    name: str
+    train: Int[np.ndarray, " n"]
+    val: Int[np.ndarray, " m"]
+    vocab_size: int
+    train_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()
+
+
+def default_cache_dir() -> Path:
+    """`$EQGPT_CACHE`, else `$XDG_CACHE_HOME/eqgpt`, else `~/.cache/eqgpt`."""
+    if os.environ.get("EQGPT_CACHE"):
+        return Path(os.environ["EQGPT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eqgpt"
+
+
+def stdlib_root() -> Path:
+    """The directory of this interpreter's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The stdlib's `.py` files in sorted order, without tests and site-packages."""
+    root = stdlib_root()
+    return [
+        p for p in sorted(root.rglob("*.py"))
+        if not _STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1])
+    ]
+
+
+def text_files(source: str | Path) -> tuple[Path, list[Path]]:
+    """The files of a directory (recursively, sorted) or a glob pattern.
+
+    **Returns:** `(root, files)`; `root` is what split hashes are relative to.
+    """
+    s = str(source)
+    if any(ch in s for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(s, recursive=True) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"glob {s!r} matched no files; check the pattern (use ** for subdirectories).")
+        root = Path(os.path.commonpath([str(f.parent) for f in files]))
+        return root, files
+    path = Path(s).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"corpus path {s!r} does not exist; pass a directory of text files, a glob such as "
+            "'data/**/*.txt', a .bin/.npy token file, or 'stdlib'."
+        )
+    if path.is_file():
+        return path.parent, [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise ValueError(f"corpus directory {s!r} holds no files; put text files in it.")
+    return path, files
+
+
+def is_validation_file(relative_path: str, val_percent: float) -> bool:
+    """The fixed split: a stable hash of the relative path, in percent, below `val_percent`."""
+    return (zlib.crc32(relative_path.encode("utf-8")) % 10000) < val_percent * 100
+
+
+def _split(root: Path, files: list[Path], val_percent: float) -> tuple[list[Path], list[Path]]:
+    rel = lambda f: f.relative_to(root).as_posix()  # noqa: E731
+    val = [f for f in files if is_validation_file(rel(f), val_percent)]
+    train = [f for f in files if not is_validation_file(rel(f), val_percent)]
+    if not val and len(files) > 1:  # tiny corpora: hold out the last file, still by file
+        train, val = files[:-1], files[-1:]
+    return train, val
+
+
+def _fingerprint(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _write_tokens(path: Path, files: list[Path], tokenizer: ByteTokenizer) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as out:
+        for f in files:
+            out.write(tokenizer.encode_bytes(f.read_bytes()).tobytes())
+    tmp.replace(path)  # atomic: a crash never leaves a half-written cache
+
+
+def _memmap(path: Path) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros((0,), np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer) -> Corpus:
+    train_files, val_files = _split(root, files, val_percent)
+    stats = [(f.relative_to(root).as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = _fingerprint([str(root), stats, val_percent, tokenizer.name])
+    cache = Path(cache_dir).expanduser() / f"{Path(name).name or 'corpus'}-{key}"
+    cache.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for split, split_files in (("train", train_files), ("val", val_files)):
+        path = cache / f"{split}.bin"
+        if not path.exists():
+            _write_tokens(path, split_files, tokenizer)
+        arrays[split] = _memmap(path)
+    rel = lambda fs: tuple(f.relative_to(root).as_posix() for f in fs)  # noqa: E731
+    return Corpus(name, arrays["train"], arrays["val"], tokenizer.vocab_size, rel(train_files), rel(val_files))
+
+
+def _token_file_corpus(path: Path, *, val_percent: float, vocab_size: int) -> Corpus:
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{path} holds {tokens.dtype} of shape {tokens.shape}; save a 1-D integer token array.")
+    else:
+        tokens = _memmap(path)
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        raise ValueError(
+            f"{path} has token id {int(tokens.max())} >= vocab_size {vocab_size}; "
+            "build the model with a larger vocab_size."
+        )
+    n_val = int(len(tokens) * val_percent / 100)
+    return Corpus(str(path), tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab_size)
+
+
+def load_corpus(
+    source: str | Path = "stdlib",
+    *,
+    cache_dir: str | Path | None = None,
+    val_percent: float = 5.0,
+    min_tokens: int = 1,
+    vocab_size: int = 256,
+) -> Corpus:
+    """Load (and cache) a corpus.
+
+    **Arguments:**
+
+    - `source`: `"stdlib"` (the Python standard library's `.py` files), a directory,
+      a glob of text files, or a pre-tokenized `.bin` (`uint16`) / `.npy` file.
+    - `cache_dir`: where token caches go (default `default_cache_dir()`).
+    - `val_percent`: share held out for validation: of files for text corpora,
+      of the token tail for token files.
+    - `min_tokens`: each split must hold at least this many tokens (one training
+      sequence plus its target, `seq_len + 1`); a clear error otherwise.
+    - `vocab_size`: the largest allowed id + 1 for token files (text is bytes, 256).
+
+    **Returns:** a `Corpus`.
+    """
+    if not 0 < val_percent < 100:
+        raise ValueError(f"val_percent must lie in (0, 100), got {val_percent}.")
+    tokenizer = ByteTokenizer()
+    cache_dir = default_cache_dir() if cache_dir is None else cache_dir
+    if str(source) == "stdlib":
+        corpus = _text_corpus("stdlib", stdlib_root(), stdlib_files(), cache_dir=cache_dir,
+                              val_percent=val_percent, tokenizer=tokenizer)
+    elif Path(str(source)).suffix in TOKEN_SUFFIXES and Path(str(source)).is_file():
+        corpus = _token_file_corpus(Path(source), val_percent=val_percent, vocab_size=vocab_size)
+    else:
+        root, files = text_files(source)
+        corpus = _text_corpus(str(source), root, files, cache_dir=cache_dir,
+                              val_percent=val_percent, tokenizer=tokenizer)
+    if len(corpus.train) == 0 and len(corpus.val) == 0:
+        raise ValueError(f"corpus {corpus.name!r} is empty (0 tokens); give it some text.")
+    for split in ("train", "val"):
+        n = len(getattr(corpus, split))
+        if n < min_tokens:
+            raise ValueError(
+                f"the {split} split of corpus {corpus.name!r} has {n} tokens, fewer than one "
+                f"sequence ({min_tokens} = seq_len + 1); add text, lower seq_len, or change val_percent."
+            )
+    return corpus

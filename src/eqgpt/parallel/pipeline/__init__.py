@@ -1,0 +1,30 @@
+"""Pipeline parallelism: schedules as data (`schedules`) and one SPMD executor (`executor`).
+
+See `docs/parallelism/pipeline.md`.
+"""
+
+from eqgpt.parallel.pipeline.executor import (
+    PP,
+    bubble_report,
+    check_pipeline,
+    from_stages,
+    pipeline_grad_fn,
+    to_stages,
+)
+from eqgpt.parallel.pipeline.lowering import Lowered, lower
+from eqgpt.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    from_programs,
+    gpipe,
+    interleaved,
+    make_schedule,
+    one_f_one_b,
+)
+
+__all__ = [
+    "Action", "Schedule", "SCHEDULES", "from_programs", "gpipe", "one_f_one_b", "interleaved",
+    "make_schedule", "lower", "Lowered", "pipeline_grad_fn", "check_pipeline", "bubble_report",
+    "PP", "to_stages", "from_stages",
+]

@@ -1,0 +1,424 @@
+"""Run any pipeline schedule as one SPMD program: `pipeline_grad_fn`.
+
+The program is a `jax.shard_map` that is manual over the `pipeline`, `data` and
+`fsdp` axes, and a `jax.lax.scan` over the schedule's ticks inside it. At every
+tick each device looks up its instruction (`lowering.lower`) and runs one branch
+of a `jax.lax.switch`:
+
+- *idle*: nothing (a bubble; its outgoing messages are zeros, never NaN);
+- *forward* of chunk `c` for microbatch `i`: read the stage input from its slot
+  (or embed the tokens on the first virtual stage), run the chunk's layers, send
+  the output to the next stage; on the last virtual stage add the microbatch's
+  loss instead;
+- *backward*: `jax.vjp` of the chunk, recomputed from the saved stage input, with
+  the gradient that arrived from the next stage (or the loss on the last virtual
+  stage); accumulate the parameter gradients and send the input gradient back.
+
+After the branch, two `ppermute`s move the outgoing activation one stage forward
+and the outgoing gradient one stage back (around the ring when stages hold
+several chunks); the receiver stores each in the slot the lowering chose.
+
+Data parallelism: the batch is split over `data` and `fsdp`; every device
+accumulates *local* gradients over all its microbatches and the step reduces them
+once at the end: a `psum` over `data`, and a `psum_scatter` over `fsdp` along
+the dimensions FSDP shards (FSDP parameters are all-gathered once per step
+on entry). The `tensor` axis is left to the automatic partitioner: weights that
+the rules split over `tensor` stay split inside each stage and XLA inserts the
+Megatron all-reduces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array, Float, PyTree
+
+from eqgpt.nn.axes import NoConstraint, map_constraints
+from eqgpt.nn.gpt import GPT
+from eqgpt.nn.loss import chunked_cross_entropy
+from eqgpt.parallel.collectives import broadcast, to_varying
+from eqgpt.parallel.pipeline.lowering import (
+    ACT_READ,
+    ACT_WRITE,
+    CHUNK,
+    GRAD_READ,
+    GRAD_WRITE,
+    MICROBATCH,
+    OP,
+    Branch,
+    lower,
+)
+from eqgpt.parallel.pipeline.schedules import Schedule, make_schedule
+from eqgpt.parallel.rules import Rules, strategy
+from eqgpt.parallel.shard import param_specs
+
+PIPELINE = "pipeline"
+BATCH_AXES = ("data", "fsdp")
+MANUAL_AXES = (PIPELINE, *BATCH_AXES)
+
+#: Place the layer stack over the pipeline axis (merge into a strategy: `rules + PP`).
+PP = Rules(params={"layers": PIPELINE}, name="pp")
+
+Batch = Mapping[str, Array]
+GradFn = Callable[[GPT, Batch], tuple[tuple[Float[Array, ""], dict[str, Float[Array, ""]]], PyTree]]
+
+
+# ------------------------------------------------------------------ checks
+
+
+def check_pipeline(
+    config_layers: int, mesh: Mesh, schedule: Schedule, batch_size: int | None = None
+) -> None:
+    """Raise `ValueError` (before anything compiles) for sizes the pipeline cannot split.
+
+    **Arguments:** the model's `num_layers`, the `mesh`, the `schedule`, and
+    optionally the global `batch_size`.
+    """
+    missing = [a for a in (*MANUAL_AXES, "tensor") if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}; build the mesh with "
+                         "eqgpt.parallel.make_mesh('pipeline=4,data=2').")
+    p = mesh.shape[PIPELINE]
+    if schedule.num_stages != p:
+        raise ValueError(f"schedule {schedule.name!r} has {schedule.num_stages} stages but the mesh's "
+                         f"pipeline axis has {p}; build the schedule with num_stages={p}.")
+    if mesh.shape.get("context", 1) > 1:
+        raise ValueError("pipeline parallelism does not compose with context parallelism yet; "
+                         "set context=1 in the mesh.")
+    G = schedule.num_virtual_stages
+    if config_layers % G:
+        ok_p = [d for d in range(1, config_layers + 1) if config_layers % (d * schedule.num_chunks) == 0]
+        ok_layers = [G * k for k in range(1, 5)]
+        raise ValueError(
+            f"num_layers={config_layers} cannot be split into {p} stages x {schedule.num_chunks} chunks "
+            f"= {G} virtual stages of equal depth; use pipeline size in {ok_p} for this model, "
+            f"or num_layers in {ok_layers}... for this mesh."
+        )
+    if batch_size is not None:
+        d = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+        m = schedule.num_microbatches
+        if batch_size % (d * m):
+            raise ValueError(
+                f"batch size {batch_size} is not divisible by {d} data-parallel devices x {m} "
+                f"microbatches = {d * m}; use a batch that is a multiple of {d * m}, or change m."
+            )
+
+
+# ------------------------------------------------------------------ layouts
+
+
+@dataclass(frozen=True)
+class BatchAxes:
+    """Per dimension of a parameter, the data-parallel mesh axes (`data`, `fsdp`) splitting it.
+
+    A pytree leaf (not a tuple), so trees of them map cleanly next to parameter trees.
+    """
+
+    dims: tuple[tuple[str, ...], ...]
+
+    def spec(self, lead: tuple = ()) -> PartitionSpec:
+        return PartitionSpec(*lead, *(None if not e else e[0] if len(e) == 1 else e for e in self.dims))
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _batch_axes(spec: PartitionSpec, ndim: int, drop_lead: bool = False) -> BatchAxes:
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    dims = tuple(tuple(a for a in _axes_of(e) if a in BATCH_AXES) for e in entries)
+    return BatchAxes(dims[1:] if drop_lead else dims)
+
+
+def to_stages(x: Array, p: int, v: int) -> Array:
+    """`[L, ...]` layers -> `[p, v, L/(p v), ...]`: device `s` holds chunks `s, s+p, ...`."""
+    L = x.shape[0]
+    return jnp.swapaxes(x.reshape(v, p, L // (p * v), *x.shape[1:]), 0, 1)
+
+
+def from_stages(x: Array) -> Array:
+    """The inverse of `to_stages`."""
+    p, v, lc = x.shape[:3]
+    return jnp.swapaxes(x, 0, 1).reshape(p * v * lc, *x.shape[3:])
+
+
+def _split_model(model: GPT):
+    """(block arrays, other arrays, static parts)."""
+    params, static = eqx.partition(model, eqx.is_array)
+    blocks = params.blocks
+    return blocks, _without_blocks(params), static
+
+
+def _without_blocks(tree):
+    """A model-shaped tree with the `blocks` subtree emptied (all leaves `None`)."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    return eqx.tree_at(lambda m: m.blocks, tree, replace_fn=lambda b: jax.tree.map(lambda _: None, b, is_leaf=is_spec))
+
+
+def _stage_model(rest, chunk_blocks, static) -> GPT:
+    return eqx.combine(_with_blocks(rest, chunk_blocks), static)
+
+
+def _with_blocks(tree, blocks):
+    """`tree` (a model-shaped tree whose blocks are empty) with `blocks` put in."""
+    return eqx.tree_at(lambda m: m.blocks, tree, blocks, is_leaf=lambda x: x is None)
+
+
+def _batch_fields(batch: Batch) -> dict[str, Array]:
+    if not isinstance(batch, Mapping) or "tokens" not in batch or "targets" not in batch:
+        raise ValueError("a pipeline batch is a mapping with 'tokens' and 'targets' "
+                         "(and optionally 'loss_mask', 'segment_ids'), each [batch, seq].")
+    out = {k: batch[k] for k in ("tokens", "targets", "loss_mask", "segment_ids") if batch.get(k) is not None}
+    shapes = {k: tuple(v.shape) for k, v in out.items()}
+    if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != 2:
+        raise ValueError(f"batch arrays must all be [batch, seq]; got {shapes}.")
+    return out
+
+
+# ------------------------------------------------------------------ the program
+
+
+def _gather_params(tree, axes_tree):
+    """All-gather every leaf over the data/fsdp axes its spec shards it over (once per step)."""
+
+    def one(x, ba: BatchAxes):
+        for dim, axes in enumerate(ba.dims):
+            if axes:
+                x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        return x
+
+    return jax.tree.map(one, tree, axes_tree)
+
+
+def _reduce_grads(tree, axes_tree):
+    """Sum local gradients over all data-parallel devices, keeping FSDP's shards (once per step)."""
+
+    def one(g, ba: BatchAxes):
+        used = set()
+        for dim, axes in enumerate(ba.dims):
+            if axes:
+                g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+                used.update(axes)
+        rest = tuple(a for a in BATCH_AXES if a not in used)
+        return jax.lax.psum(g, rest) if rest else g
+
+    return jax.tree.map(one, tree, axes_tree)
+
+
+def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
+               block_axes, rest_axes):
+    p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
+    lowered = lower(schedule)
+    program = jnp.asarray(lowered.instructions)
+    ring = v > 1  # chunks wrap from the last stage back to the first
+    fwd_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+    bwd_perm = [(i, (i - 1) % p) for i in (range(p) if ring else range(1, p))]
+    vary = lambda tree: to_varying(tree, MANUAL_AXES)  # noqa: E731
+
+    def step(blocks, rest, batch):
+        blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
+        blocks = vary(_gather_params(blocks, block_axes))
+        rest = vary(_gather_params(rest, rest_axes))
+        bl, t = batch["tokens"].shape
+        mb = bl // m
+        micro = vary({k: a.reshape(m, mb, *a.shape[1:]) for k, a in batch.items()})
+        mask = batch.get("loss_mask")
+        local_count = jnp.sum(mask.astype(jnp.float32)) if mask is not None else jnp.float32(bl * t)
+        total = jnp.maximum(jax.lax.psum(local_count, BATCH_AXES), 1.0)
+        positions = jnp.arange(t)
+        d = rest.tok_embed.weight.shape[-1]
+        stage = jax.lax.axis_index(PIPELINE)
+
+        def run(chunk, rest_p, x, data, br: Branch):
+            """The virtual stage's function: (input | tokens) -> (output | loss terms)."""
+            model = _stage_model(rest_p, chunk, static)
+            seg = data.get("segment_ids")
+            if br.first:
+                x = model.embed(data["tokens"], positions)
+            h = model.run_blocks(x, positions, seg)
+            if not br.last:
+                return h, jnp.zeros((3,), jnp.float32)
+            loss, aux = chunked_cross_entropy(
+                model.logits, model.norm(h), data["targets"], loss_mask=data.get("loss_mask"),
+                chunk_size=chunk_size, z_loss=z_loss,
+            )
+            lm = data.get("loss_mask")
+            count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(mb * t)
+            w = jnp.maximum(count, 1.0) / total
+            return jnp.zeros_like(h), w * jnp.stack([loss, aux["nll"], aux["z_loss"]])
+
+        zeros_act = jnp.zeros((mb, t, d), jnp.float32)
+        zero_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), blocks)
+        zero_rest = jax.tree.map(jnp.zeros_like, rest)
+
+        def idle(chunk, rest_p, x, dy, data):
+            return vary((zeros_act, zeros_act, zero_chunk, zero_rest, jnp.zeros((3,), jnp.float32)))
+
+        def make_branch(br: Branch):
+            if br.kind == "F":
+                def forward(chunk, rest_p, x, dy, data):
+                    y, terms = run(chunk, rest_p, x, data, br)
+                    return vary((y.astype(jnp.float32), zeros_act, zero_chunk, zero_rest, terms))
+                return forward
+
+            def backward(chunk, rest_p, x, dy, data):
+                (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, br), chunk, rest_p, x)
+                cot_y = jnp.zeros_like(y) if br.last else dy.astype(y.dtype)
+                cot_terms = jnp.zeros_like(terms).at[0].set(1.0) if br.last else jnp.zeros_like(terms)
+                d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
+                dx = zeros_act if br.first else dx.astype(jnp.float32)
+                return vary((zeros_act, dx, d_chunk, d_rest, jnp.zeros((3,), jnp.float32)))
+            return backward
+
+        branches = [idle] + [make_branch(b) for b in lowered.branches]
+
+        def tick(carry, row_all):
+            acts, grads_in, g_blocks, g_rest, terms = carry
+            row = row_all[stage]
+            c = row[CHUNK]
+            chunk = jax.tree.map(lambda a: a[c], blocks)
+            data = jax.tree.map(lambda a: a[row[MICROBATCH]], micro)
+            x, dy = acts[row[ACT_READ]], grads_in[row[GRAD_READ]]
+            send_f, send_b, d_chunk, d_rest, d_terms = jax.lax.switch(
+                row[OP], branches, chunk, rest, x, dy, data
+            )
+            g_blocks = jax.tree.map(lambda g, u: g.at[c].add(u), g_blocks, d_chunk)
+            g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
+            acts = acts.at[row[ACT_WRITE]].set(jax.lax.ppermute(send_f, PIPELINE, fwd_perm), mode="drop")
+            grads_in = grads_in.at[row[GRAD_WRITE]].set(
+                jax.lax.ppermute(send_b, PIPELINE, bwd_perm), mode="drop")
+            return (acts, grads_in, g_blocks, g_rest, terms + d_terms), None
+
+        init = vary((
+            jnp.zeros((lowered.act_slots, mb, t, d), jnp.float32),
+            jnp.zeros((lowered.grad_slots, mb, t, d), jnp.float32),
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), blocks),
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest),
+            jnp.zeros((3,), jnp.float32),
+        ))
+        (_, _, g_blocks, g_rest, terms), _ = jax.lax.scan(tick, init, program)
+        # Once per step: the loss from the last stage to every stage, then sums over
+        # the data-parallel devices; embedding/head gradients summed over stages.
+        terms = jax.lax.psum(broadcast(terms, PIPELINE, root=p - 1), BATCH_AXES)
+        g_rest = _reduce_grads(jax.lax.psum(g_rest, PIPELINE), rest_axes)
+        g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes))
+        return terms, g_blocks, g_rest
+
+    block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), block_axes)
+    rest_specs = jax.tree.map(lambda ba: ba.spec(), rest_axes)
+    batch_spec = PartitionSpec(BATCH_AXES)
+    return jax.shard_map(
+        step, mesh=mesh, in_specs=(block_specs, rest_specs, batch_spec),
+        out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(MANUAL_AXES),
+    )
+
+
+def pipeline_grad_fn(
+    mesh: Mesh,
+    schedule: Schedule | str,
+    microbatches: int | None = None,
+    *,
+    virtual_stages: int = 2,
+    rules: Rules | str | None = None,
+    chunk_size: int = 128,
+    z_loss: float = 0.0,
+) -> PipelineGradFn:
+    """A `grad_fn(model, batch) -> ((loss, aux), grads)` that runs a pipeline schedule.
+
+    **Arguments:**
+
+    - `mesh`: a mesh from `eqgpt.parallel.make_mesh` with a `pipeline` axis of size p
+      (`data`, `fsdp` and `tensor` may be > 1; `context` must be 1).
+    - `schedule`: a `Schedule`, or a name ("gpipe", "1f1b", "interleaved") built
+      with `microbatches` and, for "interleaved", `virtual_stages` chunks per stage.
+    - `rules`: the rule set the parameters are placed with (e.g. `"fsdp+tp"`); it
+      says which parameter dimensions are split over `fsdp`. `None`: replicated
+      over `data`/`fsdp` (plain data parallelism).
+    - `chunk_size`, `z_loss`: as in `eqgpt.nn.chunked_cross_entropy`.
+
+    **Returns:** the gradient function. `batch` is a mapping with `tokens` and
+    `targets` (optionally `loss_mask`, `segment_ids`), each `[batch, seq]`;
+    `loss` and `aux` (`nll`, `z_loss`) equal `eqgpt.nn.lm_loss` on the whole
+    batch, and `grads` has the model's structure (arrays where it has arrays).
+    """
+    if isinstance(schedule, str):
+        if microbatches is None:
+            raise ValueError(f"schedule {schedule!r} given by name needs microbatches=m.")
+        schedule = make_schedule(schedule, mesh.shape.get(PIPELINE, 1), microbatches, virtual_stages)
+    elif microbatches is not None and microbatches != schedule.num_microbatches:
+        raise ValueError(f"microbatches={microbatches} contradicts the schedule's "
+                         f"{schedule.num_microbatches}; pass one or the other.")
+    rules = None if rules is None else strategy(rules)
+    check_pipeline(schedule.num_virtual_stages, mesh, schedule)  # mesh and schedule agree
+    return PipelineGradFn(mesh, schedule, rules, chunk_size, z_loss)
+
+
+class PipelineGradFn:
+    """The callable `pipeline_grad_fn` returns; also reports the schedule and compiled memory.
+
+    **Attributes:** `mesh`, `schedule`, `rules`.
+    """
+
+    def __init__(self, mesh: Mesh, schedule: Schedule, rules: Rules | None, chunk_size: int, z_loss: float):
+        self.mesh, self.schedule, self.rules = mesh, schedule, rules
+        self.chunk_size, self.z_loss = chunk_size, z_loss
+        self._jitted = eqx.filter_jit(self._grad)
+
+    def __repr__(self) -> str:
+        return f"PipelineGradFn({self.schedule.name}, mesh={dict(self.mesh.shape)})"
+
+    def __call__(self, model: GPT, batch: Batch):
+        """**Returns:** `((loss, aux), grads)` for `model` on `batch` (see `pipeline_grad_fn`)."""
+        return self._jitted(model, batch)
+
+    def compile(self, model: GPT, batch: Batch):
+        """The compiled step (`jax.stages.Compiled`): for `memory_analysis()` and the HLO."""
+        return self._jitted.lower(model, batch).compile()
+
+    def temp_bytes(self, model: GPT, batch: Batch) -> int:
+        """Per-device temporary memory of the compiled step (`memory_analysis().temp_size_in_bytes`)."""
+        return int(self.compile(model, batch).memory_analysis().temp_size_in_bytes)
+
+    def report(self, model: GPT | None = None, batch: Batch | None = None) -> str:
+        """The bubble of the schedule, and with `model` and `batch` the compiled temp memory."""
+        line = bubble_report(self.schedule)
+        if model is not None and batch is not None:
+            line += f"; temp memory {self.temp_bytes(model, batch) / 2**20:.2f} MiB per device"
+        return line
+
+    def _grad(self, model: GPT, batch: Batch):
+        mesh, schedule = self.mesh, self.schedule
+        p, v = schedule.num_stages, schedule.num_chunks
+        check_pipeline(model.config.num_layers, mesh, schedule, batch["tokens"].shape[0])
+        fields = _batch_fields(batch)
+        # Inside the pipeline the activation hooks are identity (see the module docstring).
+        model = map_constraints(model, lambda _path, _hook: NoConstraint())
+        blocks, rest, static = _split_model(model)
+        if self.rules is None:
+            specs = jax.tree.map(lambda a: PartitionSpec(), eqx.filter(model, eqx.is_array))
+        else:
+            specs = param_specs(eqx.filter(model, eqx.is_array), self.rules, mesh=mesh)
+        block_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
+        rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
+        step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes)
+        staged = jax.tree.map(lambda a: to_stages(a, p, v), blocks)
+        terms, g_blocks, g_rest = step(staged, rest, fields)
+        grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
+        return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), grads
+
+
+def bubble_report(schedule: Schedule) -> str:
+    """One line: measured bubble of the table and the analytic formula."""
+    return (f"{schedule.name}: p={schedule.num_stages} m={schedule.num_microbatches} v={schedule.num_chunks} "
+            f"bubble {schedule.bubble:.3f} (idle {schedule.idle_ticks} of "
+            f"{schedule.num_ticks * schedule.num_stages} stage-ticks; formula {schedule.expected_bubble:.3f})")
+
+
+__all__ = ["pipeline_grad_fn", "PipelineGradFn", "check_pipeline", "bubble_report", "PP", "to_stages", "from_stages"]

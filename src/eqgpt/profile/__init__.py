@@ -1,0 +1,44 @@
+"""Evidence from compiled programs: collective inventory, memory, (FLOPs in `flops`).
+
+`report(compiled)` is what recipes print for `--report`: the collective table and
+the memory table of one compiled step. Importing this package needs nothing
+beyond JAX; `rich` is imported when a table is drawn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eqgpt.profile.collectives import (
+    KINDS,
+    SLICED,
+    Collective,
+    SummaryRow,
+    collective_summary,
+    collective_table,
+    collectives,
+    total_bytes,
+)
+from eqgpt.profile.memory import MemoryReport, memory, memory_table
+
+
+def report(compiled: Any, *, title: str = "") -> str:
+    """The collective and memory tables of a compiled program, as text.
+
+    **Arguments:** `compiled`, from `jax.jit(f).lower(...).compile()` (or equinox's
+    `filter_jit` equivalent); `title`, a prefix for the table titles.
+
+    **Returns:** printable text. On the CPU backend, rows marked
+    "all-reduce+slice" are reduce-scatters on GPU/TPU (see `eqgpt.profile.collectives`).
+    """
+    prefix = f"{title}: " if title else ""
+    return (
+        collective_table(compiled, title=f"{prefix}collectives per call (per device)")
+        + memory_table(compiled, title=f"{prefix}memory per device")
+    )
+
+
+__all__ = [
+    "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary",
+    "collective_table", "total_bytes", "MemoryReport", "memory", "memory_table", "report",
+]

@@ -1,0 +1,112 @@
+"""Shared pieces of the automatic-parallelism tests: tiny models, one compiled train
+step per (model, mesh, strategy), cached so parity and HLO tests reuse compiles.
+
+Compiles use `xla_backend_optimization_level=0`: it only lowers the LLVM
+optimisation of the CPU kernels (the HLO, its sharding and its collectives are
+unchanged) and halves compile time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqgpt
+from eqgpt import nn
+from eqgpt import parallel as par
+
+# GPT-2 style (LayerNorm, GELU, learned positions, biases, tied head) and
+# Llama style (RMSNorm, SwiGLU, RoPE, GQA 8 query / 4 kv heads, untied head).
+# 8 heads so tensor=8 gives one head per device; with 4 kv heads, tensor=8
+# replicates the kv projections (Megatron's layout when kv heads < tensor ranks).
+CONFIGS = {
+    "gpt": eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=8, embed_dim=32),
+    "llama": eqgpt.preset("llama-nano").replace(
+        vocab_size=64, seq_len=32, num_layers=2, num_heads=8, num_kv_heads=4, embed_dim=32, mlp_dim=64
+    ),
+}
+BATCH, SEQ, STEPS = 8, 32, 5
+OPTIONS = {"xla_backend_optimization_level": 0}
+OPTIMIZER = optax.adamw(1e-3)
+
+
+def loss_fn(model, x, y):
+    return nn.lm_loss(model, x, y)[0]
+
+
+@eqx.filter_jit
+def train_step(model, opt_state, x, y):
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+def batches(steps: int = STEPS, vocab: int = 64):
+    out = []
+    for i in range(steps):
+        tok = np.asarray(jax.random.randint(jax.random.key(100 + i), (BATCH, SEQ + 1), 0, vocab))
+        out.append((tok[:, :-1], tok[:, 1:]))
+    return out
+
+
+@functools.cache
+def reference_model(name: str):
+    return jax.jit(lambda k: nn.GPT(CONFIGS[name], key=k))(jax.random.key(0))
+
+
+def arrays(model):
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+
+@functools.cache
+def reference_run(name: str):
+    """Single-device fp32: per-step losses, final arrays, and the compiled step."""
+    model = reference_model(name)
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in batches()]
+    compiled = train_step.lower(model, opt_state, *data[0]).compile(OPTIONS)
+    losses = []
+    for x, y in data:
+        model, opt_state, loss = compiled(model, opt_state, x, y)
+        losses.append(float(loss))
+    return losses, arrays(model), compiled
+
+
+def overrides_for(key: str | None):
+    """Named per-module override sets used by the tests (hashable key -> dict)."""
+    if key is None:
+        return None
+    if key == "attn_tp_mlp_fsdp_embed_vocab":
+        # Attention Megatron-sharded over tensor (and fsdp); MLP FSDP only; the token
+        # table split over vocab on `tensor` instead of over embed.
+        return {
+            "blocks.attn": par.strategy("fsdp+tp"),
+            "tok_embed": par.strategy("fsdp").update(params={"vocab": "tensor", "embed": None}),
+        }
+    raise KeyError(key)
+
+
+@functools.cache
+def sharded_run(name: str, mesh_spec: str, strategy: str, overrides: str | None = None):
+    """The same training on a mesh: losses, final arrays, compiled step, placement, model."""
+    mesh = par.make_mesh(mesh_spec)
+    placement = par.ShardedPlacement(mesh, strategy, overrides_for(overrides))
+    par.check_divisibility(CONFIGS[name], mesh, placement.rules, BATCH, SEQ, placement.overrides)
+    model = placement.place_model(reference_model(name))
+    opt_state = placement.init_opt_state(OPTIMIZER, model)
+    data = [(placement.batch(x), placement.batch(y)) for x, y in batches()]
+    compiled = train_step.lower(model, opt_state, *data[0]).compile(OPTIONS)
+    losses = []
+    for x, y in data:
+        model, opt_state, loss = compiled(model, opt_state, x, y)
+        losses.append(float(loss))
+    return losses, arrays(model), compiled, placement, model
+
+
+def param_bytes(model) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
