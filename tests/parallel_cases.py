@@ -56,11 +56,14 @@ def batches(steps: int = STEPS, vocab: int = 64):
 
 @functools.cache
 def reference_model(name: str):
-    return jax.jit(lambda k: nn.GPT(CONFIGS[name], key=k))(jax.random.key(0))
+    init = jax.jit(lambda k: nn.GPT(CONFIGS[name], key=k))
+    return init.lower(jax.random.key(0)).compile(OPTIONS)(jax.random.key(0))
 
 
-def arrays(model):
-    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+def arrays(model) -> dict[str, np.ndarray]:
+    """Every array of `model` by dotted path (e.g. `blocks.attn.k_proj.bias`)."""
+    flat = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
+    return {par.path_str(path): np.asarray(x) for path, x in flat}
 
 
 @functools.cache
@@ -92,12 +95,17 @@ def overrides_for(key: str | None):
 
 
 @functools.cache
-def sharded_run(name: str, mesh_spec: str, strategy: str, overrides: str | None = None):
+def sharded_run(
+    name: str, mesh_spec: str, strategy: str, overrides: str | None = None, init_directly: bool = False
+):
     """The same training on a mesh: losses, final arrays, compiled step, placement, model."""
     mesh = par.make_mesh(mesh_spec)
     placement = par.ShardedPlacement(mesh, strategy, overrides_for(overrides))
     par.check_divisibility(CONFIGS[name], mesh, placement.rules, BATCH, SEQ, placement.overrides)
-    model = placement.place_model(reference_model(name))
+    if init_directly:  # the same weights, created sharded (init_sharded) rather than moved
+        model = placement.init_model(lambda k: nn.GPT(CONFIGS[name], key=k), jax.random.key(0))
+    else:
+        model = placement.place_model(reference_model(name))
     opt_state = placement.init_opt_state(OPTIMIZER, model)
     data = [(placement.batch(x), placement.batch(y)) for x, y in batches()]
     compiled = train_step.lower(model, opt_state, *data[0]).compile(OPTIONS)

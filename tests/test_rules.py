@@ -8,7 +8,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from parallel_cases import CONFIGS
+from parallel_cases import CONFIGS, OPTIONS, reference_model
 
 import eqgpt
 from eqgpt import nn
@@ -114,7 +114,7 @@ def test_constraint_pins_activations_on_auto_and_explicit_meshes(axis_type):
     hook = par.ShardingConstraint(mesh, par.strategy("dp+sp"))
     x = jax.device_put(jnp.arange(8 * 16 * 4.0).reshape(8, 16, 4), NamedSharding(mesh, P()))
     y = jax.jit(lambda x: hook(x * 2, ("batch", "seq", "embed")))(x)
-    assert y.sharding.spec == P("data", "tensor", None)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "tensor", None)), 3)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
     with pytest.raises(ValueError, match="given 2 axis names"):
         hook(x, ("batch", "seq"))
@@ -126,26 +126,32 @@ def test_init_sharded_equals_unsharded_init_and_never_holds_whole_weights():
     mesh = par.make_mesh("fsdp=4,tensor=2")
     rules = par.strategy("fsdp+tp")
     make = lambda k: nn.GPT(GPT_CFG, key=k)  # noqa: E731
-    model = par.init_sharded(make, jax.random.key(0), mesh, rules)
-    ref = jax.jit(make)(jax.random.key(0))
+    # The program init_sharded runs (init_sharded itself is trained against one
+    # device in test_parallel_parity); compiled here to read its memory.
+    compiled = par.lower_init(make, jax.random.key(0), mesh, rules).compile(OPTIONS)
+    static = eqx.filter_eval_shape(make, jax.random.key(0))
+    model = eqx.combine(compiled(jax.random.key(0)), eqx.filter(static, eqx.is_array, inverse=True))
+    model = par.with_constraints(model, mesh, rules)
+    ref = reference_model("gpt")
     for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(ref, eqx.is_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert model.blocks.attn.q_proj.weight.sharding.spec == P(None, "fsdp", "tensor")
     assert isinstance(model.blocks.attn.shard, par.ShardingConstraint)
-    # The init program's per-device output is its share of the weights, and it gathers nothing.
-    compiled = par.lower_init(make, jax.random.key(0), mesh, rules).compile()
+    # Each device writes only its share of the weights, gathers nothing, and its
+    # scratch space stays far below the whole model.
     total = sum(x.size * 4 for x in jax.tree.leaves(eqx.filter(ref, eqx.is_array)))
-    per_device = sum(s.data.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))
-                     for s in x.addressable_shards[:1])
-    assert memory(compiled).output_bytes == per_device < total / 6
+    share = sum(x.addressable_shards[0].data.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    mem = memory(compiled)
+    assert share <= mem.output_bytes <= 1.02 * share and share < total / 6
+    assert mem.output_bytes + mem.temp_bytes < total / 2
     assert [c for c in collectives(compiled) if c.kind == "all-gather"] == []
 
 
 def test_optimizer_moments_follow_their_parameters_and_scalars_replicate():
     mesh = par.make_mesh("fsdp=8")
     placement = par.ShardedPlacement(mesh, "fsdp")
-    model = placement.place_model(jax.jit(lambda k: nn.GPT(GPT_CFG, key=k))(jax.random.key(0)))
+    model = placement.place_model(reference_model("gpt"))
     opt = optax.adamw(1e-3)
     state = placement.init_opt_state(opt, model)
     adam = state[0]

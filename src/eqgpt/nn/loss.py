@@ -55,7 +55,9 @@ def chunked_cross_entropy(
         nll, z = carry
         return (nll + jnp.sum((lse - picked) * m), z + jnp.sum(jnp.square(lse) * m)), None
 
-    zero = jnp.zeros((), jnp.float32)
+    # Zeros shaped like the inputs' scalars: inside `shard_map` they carry the inputs'
+    # varying-axes type, as the scan carry must (outside it this is just 0.0).
+    zero = sum(jnp.zeros_like(a, jnp.float32, shape=()) for a in (hidden, targets, mask))
     (nll, z), _ = jax.lax.scan(chunk, (zero, zero), (split(hidden), split(targets), split(mask)))
     count = jnp.maximum(jnp.sum(mask), 1.0)
     nll, z = nll / count, z / count

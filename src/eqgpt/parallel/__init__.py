@@ -19,6 +19,7 @@ from eqgpt.parallel.shard import (
     opt_state_shardings,
     param_shardings,
     param_specs,
+    path_str,
     replicated_fraction,
     rules_for,
     shard_model,
@@ -31,6 +32,6 @@ __all__ = [
     "PRESET_RULES", "DP", "FSDP", "TP", "SP", "REPLICATED", "ShardingConstraint",
     "param_specs", "param_shardings", "with_constraints", "shard_model", "init_sharded", "lower_init",
     "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded", "batch_sharding",
-    "replicated_fraction", "check_replication", "check_divisibility", "rules_for",
+    "replicated_fraction", "check_replication", "check_divisibility", "rules_for", "path_str",
     "ShardedPlacement",
 ]

@@ -146,6 +146,7 @@ class Rules:
         *,
         shape: tuple[int, ...] | None = None,
         mesh: Mesh | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> PartitionSpec:
         """The `PartitionSpec` for an array whose dimensions have logical `names`.
 
@@ -159,6 +160,8 @@ class Rules:
         - `names`: one logical name (or `None`) per array dimension.
         - `kind`: `"params"` or `"activations"`: which table to read.
         - `shape`, `mesh`: optional, to drop size-1 axes and check divisibility.
+        - `units`: elements per unit of a name, e.g. `{"heads": head_dim}` for a
+          flattened heads dimension, so that only whole heads are split.
 
         **Returns:** a `PartitionSpec` with one entry per dimension.
         """
@@ -173,17 +176,19 @@ class Rules:
                 axes = tuple(a for a in axes if mesh.shape[a] > 1)
             if shape is not None and mesh is not None and axes:
                 n = math.prod(mesh.shape[a] for a in axes)
-                if shape[i] % n:
+                unit = (units or {}).get(name, 1) if name else 1
+                if shape[i] % unit or (shape[i] // unit) % n:
                     if name in REPLICATE_IF_INDIVISIBLE:
                         key = (name, shape[i], axes)
                         if key not in _logged:
                             _logged.add(key)
-                            logger.info("replicating %s (size %d) over mesh axes %s (not divisible by %d)",
-                                        name, shape[i], axes, n)
+                            logger.info("replicating %s (%d units) over mesh axes %s (not divisible by %d)",
+                                        name, shape[i] // unit, axes, n)
                         axes = ()
                     else:
+                        what = f"size {shape[i]}" if unit == 1 else f"{shape[i] // unit} units of {unit}"
                         raise ValueError(
-                            f"{kind} dimension {i} ({name!r}) of shape {shape} has size {shape[i]}, not "
+                            f"{kind} dimension {i} ({name!r}) of shape {shape} has {what}, not "
                             f"divisible by mesh axes {axes} of total size {n} (rules {self.name!r}); "
                             "change the model size or the mesh."
                         )

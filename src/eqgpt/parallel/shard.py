@@ -12,6 +12,7 @@ matching prefix wins; other modules use the base rules.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -64,6 +65,41 @@ def _check_overrides(model: PyTree, overrides: Overrides) -> None:
             )
 
 
+def _head_units(model: PyTree) -> dict[str, dict[str, int]]:
+    """Module path -> `{"heads": head_dim, "kv_heads": head_dim}` for modules with a `head_dim`.
+
+    Attention stores heads flattened (`[embed, heads * head_dim]`); these units make
+    the rules split whole heads only.
+    """
+    out: dict[str, dict[str, int]] = {}
+
+    def visit(x: Any, path: str) -> None:
+        if isinstance(x, eqx.Module):
+            hd = getattr(x, "head_dim", None)
+            if isinstance(hd, int) and hd > 0:
+                out[path] = {"heads": hd, "kv_heads": hd}
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name, None), f"{path}.{f.name}" if path else f.name)
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                visit(v, f"{path}.{i}" if path else str(i))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                visit(v, f"{path}.{k}" if path else str(k))
+
+    visit(model, "")
+    return out
+
+
+def _units_for(module_path: str, units: dict[str, dict[str, int]]) -> dict[str, int] | None:
+    best = None
+    for prefix, u in units.items():
+        if module_path == prefix or module_path.startswith(prefix + ".") or prefix == "":
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, u)
+    return best[1] if best else None
+
+
 def _is_array_like(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
@@ -82,6 +118,7 @@ def param_specs(model: PyTree, rules: Rules, overrides: Overrides = None, *, mes
     """
     _check_overrides(model, overrides)
     axes_tree = logical_axes(model)
+    units = _head_units(model)
 
     def one(path, names, leaf):
         if not _is_array_like(leaf):
@@ -89,7 +126,9 @@ def param_specs(model: PyTree, rules: Rules, overrides: Overrides = None, *, mes
         names = names.names if isinstance(names, LogicalAxes) else (None,) * leaf.ndim
         key = path_str(path)
         module_path = key.rpartition(".")[0]
-        return rules_for(module_path, rules, overrides).spec(names, "params", shape=tuple(leaf.shape), mesh=mesh)
+        return rules_for(module_path, rules, overrides).spec(
+            names, "params", shape=tuple(leaf.shape), mesh=mesh, units=_units_for(module_path, units)
+        )
 
     return jax.tree_util.tree_map_with_path(
         one, axes_tree, model, is_leaf=lambda x: isinstance(x, LogicalAxes)
@@ -164,14 +203,31 @@ def _only_shardings(shardings: PyTree) -> PyTree:
     return eqx.partition(shardings, lambda s: isinstance(s, NamedSharding))[0]
 
 
+_INIT_PROGRAMS: dict = {}
+
+
 def _init_program(make, key, mesh, rules, overrides):
+    """The jitted initialiser and the model's static part; kept for the last few `make`s
+    so that `lower_init(...).compile()` and `init_sharded(...)` share one compile."""
+    cache_key = (make, mesh, rules, tuple(sorted((overrides or {}).items())), jax.typeof(key))
+    try:
+        hit = _INIT_PROGRAMS.get(cache_key)
+    except TypeError:  # unhashable `make`
+        cache_key, hit = None, None
+    if hit is not None:
+        return hit
     abstract = eqx.filter_eval_shape(make, key)
     out_shardings = _only_shardings(param_shardings(abstract, mesh, rules, overrides))
 
     def build(k):
         return _split(make(k))[0]
 
-    return jax.jit(build, out_shardings=out_shardings), _split(abstract)[1]
+    program = (jax.jit(build, out_shardings=out_shardings), _split(abstract)[1])
+    if cache_key is not None:
+        if len(_INIT_PROGRAMS) >= 8:
+            _INIT_PROGRAMS.pop(next(iter(_INIT_PROGRAMS)))
+        _INIT_PROGRAMS[cache_key] = program
+    return program
 
 
 def lower_init(

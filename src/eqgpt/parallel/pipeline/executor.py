@@ -244,7 +244,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
                 x = model.embed(data["tokens"], positions)
             h = model.run_blocks(x, positions, seg)
             if not br.last:
-                return h, jnp.zeros((3,), jnp.float32)
+                return h, vary(jnp.zeros((3,), jnp.float32))
             loss, aux = chunked_cross_entropy(
                 model.logits, model.norm(h), data["targets"], loss_mask=data.get("loss_mask"),
                 chunk_size=chunk_size, z_loss=z_loss,

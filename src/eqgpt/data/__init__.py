@@ -1,0 +1,18 @@
+"""Data: byte tokenizer, corpora (the Python stdlib by default), deterministic loaders."""
+
+from eqgpt.data.corpus import (
+    Corpus,
+    default_cache_dir,
+    is_validation_file,
+    load_corpus,
+    stdlib_files,
+    stdlib_root,
+    text_files,
+)
+from eqgpt.data.loader import BatchLoader, eval_windows, process_rows
+from eqgpt.data.tokenizer import ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer", "Corpus", "load_corpus", "stdlib_files", "stdlib_root", "text_files",
+    "default_cache_dir", "is_validation_file", "BatchLoader", "eval_windows", "process_rows",
+]

@@ -1,0 +1,95 @@
+"""Batches as a pure function of (seed, step), loaded per process.
+
+Training batches are random windows of the training tokens. The offsets of step
+`s` come from `np.random.default_rng([seed, s])`, so a resumed run, or a run on a
+different number of processes, sees exactly the same global batch. Each process
+reads only its own rows `[process_index * B / P, (process_index + 1) * B / P)`
+and the placement assembles the global array with
+`jax.make_array_from_process_local_data`.
+
+The training loader holds only the training tokens: it cannot read validation data.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jaxtyping import Int
+
+
+def process_rows(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
+    """The `[start, stop)` rows of a global batch that one process loads."""
+    if batch_size % process_count:
+        raise ValueError(
+            f"batch_size ({batch_size}) must be divisible by the number of processes "
+            f"({process_count}); pick a multiple of {process_count}."
+        )
+    per = batch_size // process_count
+    return process_index * per, (process_index + 1) * per
+
+
+class BatchLoader:
+    """Random training windows `[rows, seq_len + 1]` (inputs and shifted targets).
+
+    **Arguments:**
+
+    - `tokens`: 1-D training tokens (a memmap is fine: only the chosen windows are read).
+    - `batch_size`: global rows per step; `seq_len`: model positions per row.
+    - `seed`: with the step, fixes every batch.
+    - `process_index`, `process_count`: this process's share (default: from JAX).
+    """
+
+    def __init__(
+        self,
+        tokens: Int[np.ndarray, " n"],
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}.")
+        if len(tokens) < seq_len + 1:
+            raise ValueError(
+                f"{len(tokens)} training tokens are fewer than one sequence (seq_len + 1 = "
+                f"{seq_len + 1}); use a larger corpus or a shorter seq_len."
+            )
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        self.rows = process_rows(batch_size, self.process_index, self.process_count)
+
+    def offsets(self, step: int) -> Int[np.ndarray, " batch"]:
+        """Start offsets of all global rows at `step` (the same on every process)."""
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+
+    def local_batch(self, step: int) -> Int[np.ndarray, "rows seq_plus_one"]:
+        """This process's rows of the batch at `step`, as `int32`."""
+        start, stop = self.rows
+        t = self.seq_len + 1
+        return np.stack([self.tokens[o : o + t] for o in self.offsets(step)[start:stop]]).astype(np.int32)
+
+
+def eval_windows(
+    tokens: Int[np.ndarray, " n"], *, seq_len: int, num_windows: int
+) -> Int[np.ndarray, "windows seq_plus_one"]:
+    """`num_windows` fixed windows spread evenly over `tokens` (the validation set).
+
+    Deterministic, so every evaluation of a run (and of different runs) scores the
+    same text. Windows overlap only if the split is shorter than `num_windows`
+    sequences.
+    """
+    t = seq_len + 1
+    if len(tokens) < t:
+        raise ValueError(
+            f"{len(tokens)} validation tokens are fewer than one sequence ({t}); "
+            "hold out more files or shorten seq_len."
+        )
+    starts = np.linspace(0, len(tokens) - t, num_windows).astype(np.int64)
+    return np.stack([tokens[s : s + t] for s in starts]).astype(np.int32)

@@ -1,0 +1,235 @@
+"""`python -m eqgpt.launch --nproc N [--devices-per-proc K] -- script.py args...`
+
+Starts N copies of a script on this machine as one multi-process JAX job: a
+localhost coordinator on a free port, `EQGPT_COORDINATOR` / `EQGPT_NUM_PROCESSES`
+/ `EQGPT_PROCESS_ID` in each child's environment (read by
+`eqgpt.distributed.initialize`), K simulated CPU devices per process talking
+through gloo (or K GPUs each with `--platform gpu`).
+
+Every output line is prefixed with its rank (`[rank 1] ...`). When one process
+fails, the others are stopped (SIGTERM, then SIGKILL after `--grace` seconds).
+
+Exit status:
+
+- every rank exited with the same status `s` (0 on success, or the trainer's
+  preemption status after a forwarded SIGTERM): `s`;
+- otherwise the first rank `r` to fail decides: `100 + r` (ranks above 26 give 127),
+  and the last line on stderr names the rank and its own status;
+- `--timeout` expired: 124.
+
+SIGTERM and SIGINT sent to the launcher are forwarded to every rank (so a
+trainer can checkpoint and stop); a second one kills them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from eqgpt.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+FAILED_RANK_BASE = 100
+TIMEOUT_EXIT_CODE = 124
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def describe_status(code: int) -> str:
+    """`"exit status 3"` or `"killed by SIGKILL"` for a `Popen.returncode`."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def child_env(
+    rank: int, nproc: int, port: int, devices_per_proc: int | None, platform: str,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of rank `rank`: coordinator settings plus device selection."""
+    env = dict(os.environ if base is None else base)
+    env.update({
+        ENV_COORDINATOR: f"127.0.0.1:{port}",
+        ENV_NUM_PROCESSES: str(nproc),
+        ENV_PROCESS_ID: str(rank),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+        if devices_per_proc is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
+    elif devices_per_proc is not None:
+        first = rank * devices_per_proc
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(devices_per_proc))
+    return env
+
+
+def _pump(stream, prefix: str, out, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        text = line.decode(errors="replace")
+        with lock:
+            out.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
+            out.flush()
+    stream.close()
+
+
+def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)  # the child and anything it started
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def launch(
+    command: Sequence[str],
+    nproc: int,
+    *,
+    devices_per_proc: int | None = None,
+    platform: str = "cpu",
+    port: int | None = None,
+    grace: float = 10.0,
+    timeout: float | None = None,
+    out=None,
+) -> int:
+    """Run `python command...` as `nproc` processes of one job; return the exit status (see module docs).
+
+    **Arguments:**
+
+    - `command`: a script and its arguments (`["recipes/train_gpt.py", "--steps", "10"]`),
+      or `["-m", "module", ...]`.
+    - `nproc`: number of processes; `devices_per_proc`: CPU devices (or GPUs) each.
+    - `platform`: `"cpu"` (simulated devices, gloo) or `"gpu"`.
+    - `port`: coordinator port (default: a free one); `grace`: seconds between
+      SIGTERM and SIGKILL when stopping ranks; `timeout`: seconds for the whole job.
+    - `out`: where prefixed output goes (default `sys.stdout`).
+
+    **Returns:** the exit status.
+    """
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}.")
+    if devices_per_proc is not None and devices_per_proc < 1:
+        raise ValueError(f"--devices-per-proc must be at least 1, got {devices_per_proc}.")
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"--platform must be cpu or gpu, got {platform!r}.")
+    if not command:
+        raise ValueError("nothing to run: give the script after `--`, e.g. `-- recipes/train_gpt.py --steps 10`.")
+    if command[0] != "-m" and not os.path.exists(command[0]):
+        raise ValueError(f"script {command[0]!r} not found (run from the directory it is relative to).")
+    out = sys.stdout if out is None else out
+    port = free_port() if port is None else port
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(nproc):
+        p = subprocess.Popen(
+            [sys.executable, *command],
+            env=child_env(rank, nproc, port, devices_per_proc, platform),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock), daemon=True)
+        t.start()
+        pumps.append(t)
+
+    signals_seen = []
+
+    def forward(signum, _frame):
+        signals_seen.append(signum)
+        _signal_all(procs, signal.SIGKILL if len(signals_seen) > 1 else signum)
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    first_failure: tuple[int, int] | None = None
+    stop_deadline: float | None = None
+    start = time.monotonic()
+    status: int | None = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if first_failure is None:
+                for rank, p in enumerate(procs):
+                    code = p.poll()
+                    if code is not None and code != 0 and not signals_seen:
+                        first_failure = (rank, code)
+                        _signal_all(procs, signal.SIGTERM)
+                        stop_deadline = time.monotonic() + grace
+                        break
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                _signal_all(procs, signal.SIGKILL)
+            if timeout is not None and status is None and time.monotonic() - start > timeout:
+                status = TIMEOUT_EXIT_CODE
+                _signal_all(procs, signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        _signal_all(procs, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        for t in pumps:
+            t.join(timeout=5)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    codes = [p.returncode for p in procs]
+    if status == TIMEOUT_EXIT_CODE:
+        sys.stderr.write(f"eqgpt.launch: the job ran past --timeout {timeout:g} s; all ranks were killed.\n")
+        return status
+    if first_failure is None and len(set(codes)) == 1:
+        return codes[0] if codes[0] >= 0 else 128 - codes[0]
+    if first_failure is None:  # after a forwarded signal the ranks ended differently
+        first_failure = next((r, c) for r, c in enumerate(codes) if c != 0)
+    rank, code = first_failure
+    others = [f"rank {r}: {describe_status(c)}" for r, c in enumerate(codes) if r != rank]
+    sys.stderr.write(
+        f"eqgpt.launch: rank {rank} failed ({describe_status(code)}); the other ranks were stopped "
+        f"({', '.join(others) or 'none'}). Its output above is prefixed [rank {rank}].\n"
+    )
+    return FAILED_RANK_BASE + rank if rank <= 26 else 127
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: parse `--nproc ... -- script args` and `launch`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1:]
+    else:
+        own, command = argv, []
+    parser = argparse.ArgumentParser(
+        prog="python -m eqgpt.launch",
+        description="Run a script as N local processes of one JAX job (see eqgpt.launch docs).",
+        epilog="example: python -m eqgpt.launch --nproc 2 --devices-per-proc 4 -- recipes/train_gpt.py --steps 20",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    parser.add_argument("--devices-per-proc", type=int, default=None,
+                        help="CPU devices per process (or GPUs each, with --platform gpu)")
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole job (exit 124 past it)")
+    args = parser.parse_args(own)
+    try:
+        return launch(command, args.nproc, devices_per_proc=args.devices_per_proc, platform=args.platform,
+                      port=args.port, grace=args.grace, timeout=args.timeout)
+    except ValueError as e:
+        parser.error(str(e))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

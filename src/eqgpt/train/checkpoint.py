@@ -1,0 +1,548 @@
+"""Checkpoints on Orbax: sharded, asynchronous, atomic, validated, and restorable onto any mesh.
+
+A checkpoint of step `s` is the directory `<dir>/<s>/` with three Orbax items:
+
+- `state/`: every array of the training state (model, optimizer state, step,
+  RNG, ...) under its tree path, e.g. `model.blocks.attn.q_proj.weight`. Each
+  process writes only the shards it holds (Orbax's OCDBT format, one
+  `ocdbt.process_<i>/` per process).
+- `config/metadata`: the run's configuration as readable JSON.
+- `meta/metadata`: JSON with the step, the data position (`extras`) and a
+  checksum of every array.
+
+Writes go to a temporary directory that Orbax renames into place only after
+every process has finished (its atomic-rename commit protocol), so an
+interrupted write never appears as a step. Restoring re-checks what the rename
+cannot: the configuration must match the running one, every array must exist
+with the expected shape and dtype, and every array's checksum must match. A
+damaged checkpoint is skipped with a message naming the problem and the
+fallback; an incompatible one stops the run with a message naming the field.
+
+Restoring takes its shardings from the *restoring* run: the target is this
+run's state (concrete, or abstract `jax.ShapeDtypeStruct`s with `sharding=`),
+so a run saved on `fsdp=8` continues on `data=4,tensor=2` or on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jaxtyping import Array, PyTree, UInt32
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "eqgpt-checkpoint/1"
+ITEMS = ("state", "config", "meta")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be used; the message says why and what to do."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint belongs to a different model or state layout than this run."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The checkpoint (and every earlier one) is damaged: missing files, bad data, bad checksums."""
+
+
+# --- tree <-> named arrays ----------------------------------------------------------------------
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_name(path: tuple) -> str:
+    """A key path as a dotted name: `model.blocks.attn.q_proj.weight`, `opt_state.1.0.mu...`."""
+    return ".".join(_key_name(k) for k in path) or "value"
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def named_leaves(tree: PyTree) -> dict[str, Any]:
+    """`{dotted name: leaf}` for every leaf of `tree` (arrays, abstract arrays and Python scalars)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = leaf_name(path)
+        if name in out:
+            raise ValueError(f"two leaves of the state share the name {name!r}; rename one field.")
+        out[name] = leaf
+    return out
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+    """`{"a.b": x}` -> `{"a": {"b": x}}` (Orbax stores nested dicts as named arrays)."""
+    root: dict = {}
+    for name, value in flat.items():
+        node = root
+        *parents, last = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return root
+
+
+def _unnest(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        out = {}
+        for k, v in tree.items():
+            out.update(_unnest(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """The restore target of one array: shape, dtype and the *restoring* run's sharding."""
+    sharding = getattr(x, "sharding", None)
+    if _is_key(x):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding)
+
+
+def abstract_state(state: PyTree) -> PyTree:
+    """`state` with every array replaced by `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`.
+
+    Useful as a restore target that allocates nothing: build it from
+    `eqx.filter_eval_shape` of the initialiser plus the placement's shardings,
+    or from a concrete state as here.
+    """
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+        if _is_array(x) else x,
+        state,
+    )
+
+
+# --- checksums -----------------------------------------------------------------------------------
+
+
+def _checksum(x: Array) -> UInt32[Array, ""]:
+    """Position-weighted sum of the bits of `x`, modulo 2**32.
+
+    Integer addition is associative, so the value is the same whatever the
+    sharding or reduction order: a checkpoint saved on one mesh verifies on another.
+    """
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 4:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif x.dtype.itemsize == 1:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    else:  # 8-byte types: two words per element
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    for axis in range(bits.ndim):
+        index = index * jnp.uint32(bits.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
+    weight = index * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)
+    return jnp.sum(bits * weight, dtype=jnp.uint32) ^ jnp.uint32(bits.size)
+
+
+@jax.jit
+def _checksums(arrays: dict[str, Array]) -> dict[str, Array]:
+    return {k: _checksum(v) for k, v in arrays.items()}
+
+
+def checksums(arrays: Mapping[str, Array]) -> dict[str, int]:
+    """`{name: checksum}` of named arrays (one compiled reduction; identical on every process)."""
+    out = _checksums(dict(arrays))
+    return {k: int(np.asarray(v.addressable_data(0))) for k, v in out.items()}
+
+
+# --- config comparison ---------------------------------------------------------------------------
+
+
+def _to_json(value: Any) -> Any:
+    """Dataclasses, mappings, tuples and scalars as plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    return repr(value)
+
+
+def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
+    if isinstance(saved, Mapping) and isinstance(current, Mapping):
+        out = []
+        for k in sorted(set(saved) | set(current)):
+            name = f"{prefix}{k}"
+            if k not in saved:
+                out.append(f"{name}: absent in the checkpoint, {current[k]!r} in this run")
+            elif k not in current:
+                out.append(f"{name}: {saved[k]!r} in the checkpoint, absent in this run")
+            else:
+                out.extend(_differences(saved[k], current[k], name + "."))
+        return out
+    return [] if saved == current else [f"{prefix[:-1] or 'config'}: {saved!r} in the checkpoint, {current!r} in this run"]
+
+
+# --- multi-process agreement ---------------------------------------------------------------------
+
+
+def _all_ok(ok: bool) -> bool:
+    """True only if `ok` on every process (so every process takes the same fallback)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([int(ok)], np.int32))
+    return bool(np.all(np.asarray(flags)))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+# --- the manager ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpointer.restore` found.
+
+    **Fields:** `state` (the target's structure, with restored arrays in the
+    target's shardings), `step`, `extras` (as saved, e.g. the data position),
+    `config` (as saved), and `skipped`: `(step, reason)` for every newer
+    checkpoint that was damaged and passed over.
+    """
+
+    state: PyTree
+    step: int
+    extras: dict
+    config: dict
+    skipped: tuple[tuple[int, str], ...] = ()
+
+
+class Checkpointer:
+    """Saves and restores training states in `directory` (see the module docs for the layout).
+
+    **Arguments:**
+
+    - `directory`: where the step directories go (created if missing).
+    - `every`: `should_save(step)` is true every `every` steps.
+    - `keep`: how many of the newest checkpoints to keep (older ones are deleted).
+    - `async_save`: write in background threads while training continues
+      (device-to-host copies happen before `save` returns); `wait()` joins them.
+    - `config`: the run's configuration (dataclasses / mappings), saved as JSON.
+    - `must_match`: top-level keys of `config` that a checkpoint must share with
+      this run to be restored (default `("model",)`); others may change.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every: int = 100,
+        keep: int = 3,
+        async_save: bool = True,
+        config: Mapping[str, Any] | Any | None = None,
+        must_match: Sequence[str] = ("model",),
+    ):
+        if every < 1:
+            raise ValueError(f"checkpoint interval must be at least 1 step, got every={every}.")
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1 (the newest checkpoint), got keep={keep}.")
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"checkpoint directory {self.directory} exists and is not a directory.")
+        self.every = every
+        self.keep = keep
+        self.config = _to_json(config if config is not None else {})
+        if not isinstance(self.config, dict):
+            raise ValueError(f"config must be a mapping or dataclass, got {type(config).__name__}.")
+        self.must_match = tuple(must_match)
+        policies = ocp.checkpoint_managers
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            preservation_policy=policies.LatestN(keep),
+            save_decision_policy=policies.FixedIntervalPolicy(every),
+            cleanup_tmp_directories=True,  # leftovers of interrupted writes
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.directory)!r}, every={self.every}, keep={self.keep})"
+
+    # Steps ---------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed checkpoint steps, oldest first (interrupted writes are never listed)."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or `None`."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """Whether `step` is on the save interval (`step % every == 0`, step > 0)."""
+        return step > 0 and step % self.every == 0
+
+    # Save ----------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, *, extras: Mapping[str, Any] | None = None) -> bool:
+        """Write `state` as checkpoint `step` (every process must call this with its shards).
+
+        Returns once the arrays are copied to host memory; the files are written
+        in the background when `async_save`. An existing `step` is left as is.
+
+        **Arguments:** `step`, `state` (a pytree: model, optimizer state, ...),
+        `extras` (JSON-able, e.g. `{"data": {"seed": 0, "step": step}}`).
+
+        **Returns:** whether a checkpoint was started.
+        """
+        step = int(step)
+        if step in self._manager.all_steps():
+            logger.info("checkpoint %d already exists in %s; not rewritten", step, self.directory)
+            return False
+        leaves = named_leaves(state)
+        arrays, keys, scalars = {}, {}, {}
+        for name, leaf in leaves.items():
+            if _is_key(leaf):
+                keys[name] = str(jax.random.key_impl(leaf))
+                arrays[name] = jax.random.key_data(leaf)
+            elif isinstance(leaf, jax.Array):
+                arrays[name] = leaf
+            elif isinstance(leaf, (bool, int, float, str, np.integer, np.floating)):
+                scalars[name] = _to_json(leaf)
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "extras": _to_json(dict(extras or {})),
+            "checksums": checksums(arrays),
+            "keys": keys,
+            "scalars": scalars,
+            "process_count": jax.process_count(),
+        }
+        return bool(self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(_nest(arrays)),
+                config=ocp.args.JsonSave(self.config),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        ))
+
+    def maybe_save(self, step: int, state: PyTree, *, extras: Mapping[str, Any] | None = None,
+                   force: bool = False) -> bool:
+        """`save` if `should_save(step)` or `force` (e.g. on preemption). **Returns:** whether it saved."""
+        if force or self.should_save(step):
+            return self.save(step, state, extras=extras)
+        return False
+
+    def wait(self) -> None:
+        """Block until every background write is committed (call before exiting)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """`wait`, then release Orbax's threads."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Restore -------------------------------------------------------------------------------------
+
+    def _read_json(self, step: int) -> tuple[dict, dict]:
+        got = self._manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        )
+        config, meta = got["config"], got["meta"]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptCheckpointError(f"its meta item is not an {FORMAT} record")
+        if int(meta.get("step", -1)) != step:
+            raise CorruptCheckpointError(f"its meta item says step {meta.get('step')}")
+        return config, meta
+
+    def _check_config(self, step: int, saved: dict) -> None:
+        problems = []
+        for key in self.must_match:
+            if key in self.config or key in saved:
+                problems.extend(_differences(saved.get(key), self.config.get(key), f"{key}."))
+        if problems:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {step} in {self.directory} was written for a different configuration: "
+                + "; ".join(problems)
+                + ". Restore with the configuration it was saved with, or start this run in a new directory."
+            )
+
+    def _check_layout(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
+        metadata = self._manager.item_metadata(step)["state"]
+        tree = getattr(metadata, "tree", metadata)
+        saved = _unnest(tree) if tree is not None else {}
+        missing = sorted(set(targets) - set(saved))
+        extra = sorted(set(saved) - set(targets))
+        wrong = [
+            f"{n}: {tuple(saved[n].shape)} {saved[n].dtype} in the checkpoint, "
+            f"{tuple(t.shape)} {t.dtype} in this run"
+            for n, t in targets.items()
+            if n in saved and (tuple(saved[n].shape) != tuple(t.shape) or np.dtype(saved[n].dtype) != np.dtype(t.dtype))
+        ]
+        if missing or extra or wrong:
+            parts = []
+            if wrong:
+                parts.append("arrays differ: " + "; ".join(wrong[:6]) + (" ..." if len(wrong) > 6 else ""))
+            if missing:
+                parts.append("this run has arrays the checkpoint lacks: " + ", ".join(missing[:6])
+                             + (" ..." if len(missing) > 6 else ""))
+            if extra:
+                parts.append("the checkpoint has arrays this run lacks: " + ", ".join(extra[:6])
+                             + (" ..." if len(extra) > 6 else ""))
+            raise IncompatibleCheckpointError(
+                f"checkpoint {step} in {self.directory} does not fit this run's state ({'; '.join(parts)}). "
+                "The model or optimizer differs from the one that wrote it; use the same ones or a new directory."
+            )
+
+    def _restore_one(self, step: int, target: PyTree) -> Restored:
+        leaves = named_leaves(target)
+        targets = {n: _abstract(x) for n, x in leaves.items() if _is_array(x)}
+        config, meta = self._read_json(step)
+        self._check_config(step, config)
+        self._check_layout(step, targets)
+        got = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_nest(targets))))
+        arrays = _unnest(got["state"])
+        saved_sums = {k: int(v) for k, v in meta.get("checksums", {}).items()}
+        bad = [n for n, s in checksums(arrays).items() if saved_sums.get(n) != s]
+        if bad:
+            raise CorruptCheckpointError(
+                f"checksums do not match for {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} (damaged data)"
+            )
+        restored = []
+        for name, leaf in leaves.items():
+            if name in arrays:
+                value = arrays[name]
+                if name in meta.get("keys", {}) or _is_key(leaf):
+                    impl = meta.get("keys", {}).get(name) or str(jax.random.key_impl(leaf))
+                    value = jax.random.wrap_key_data(value, impl=impl)
+                restored.append(value)
+            elif name in meta.get("scalars", {}):
+                restored.append(type(leaf)(meta["scalars"][name]) if leaf is not None else meta["scalars"][name])
+            else:
+                restored.append(leaf)
+        state = jax.tree.unflatten(jax.tree.structure(target), restored)
+        return Restored(state, step, dict(meta.get("extras", {})), dict(config))
+
+    def restore(self, target: PyTree, step: int | None = None) -> Restored | None:
+        """Restore a checkpoint into the structure and shardings of `target`.
+
+        With `step=None` the newest committed checkpoint is tried first; a damaged
+        one (unreadable metadata, missing files, checksum mismatch) is logged as
+        `"checkpoint 30 is corrupt (...); falling back to 20"` and the next older
+        one is tried. A checkpoint of a different model (config fields in
+        `must_match`, array names, shapes or dtypes) raises
+        `IncompatibleCheckpointError` at once: no fallback can fix that.
+
+        **Arguments:**
+
+        - `target`: this run's state (concrete arrays, or `jax.ShapeDtypeStruct`s
+          with `sharding=`): its shardings decide where the restored shards go.
+        - `step`: a particular step (no fallback), or `None` for the latest good one.
+
+        **Returns:** a `Restored`, or `None` when the directory holds no checkpoint.
+        Raises `CorruptCheckpointError` when every candidate is damaged.
+        """
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(
+                    f"no committed checkpoint {step} in {self.directory}; committed steps: {steps or 'none'}."
+                )
+            candidates = [step]
+        else:
+            candidates = steps[::-1]
+        if not candidates:
+            return None
+        skipped: list[tuple[int, str]] = []
+        for i, s in enumerate(candidates):
+            error: Exception | None = None
+            try:
+                result = self._restore_one(s, target)
+            except IncompatibleCheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure to read is damage
+                error, result = e, None
+            if _all_ok(error is None):
+                if skipped:
+                    self._set_aside([t for t, _ in skipped])
+                return dataclasses.replace(result, skipped=tuple(skipped))
+            reason = _describe(error) if error is not None else "another process could not read it"
+            skipped.append((s, reason))
+            following = candidates[i + 1] if i + 1 < len(candidates) else None
+            if step is None:
+                logger.warning(
+                    "checkpoint %d in %s is corrupt (%s); %s", s, self.directory, reason,
+                    f"falling back to {following}" if following is not None else "no older checkpoint left",
+                )
+        listing = "; ".join(f"checkpoint {t}: {r}" for t, r in skipped)
+        raise CorruptCheckpointError(
+            f"no usable checkpoint in {self.directory} ({listing}). Delete the damaged step directories "
+            "to start over, or point the run at another directory."
+        )
+
+    def _set_aside(self, steps: Sequence[int]) -> None:
+        """Rename damaged newer steps to `<step>.corrupt` so the resumed run can save those steps again."""
+        if jax.process_index() == 0:
+            for s in steps:
+                src = self.directory / str(s)
+                dst = self.directory / f"{s}.corrupt"
+                n = 1
+                while dst.exists():
+                    dst, n = self.directory / f"{s}.corrupt{n}", n + 1
+                if src.exists():
+                    src.rename(dst)
+                    logger.warning("moved damaged checkpoint %s to %s", src, dst)
+        _barrier(f"eqgpt-checkpoint-set-aside-{'-'.join(map(str, steps))}")
+        self._manager.reload()
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+__all__ = [
+    "Checkpointer", "Restored", "CheckpointError", "IncompatibleCheckpointError",
+    "CorruptCheckpointError", "abstract_state", "named_leaves", "leaf_name", "checksums",
+]

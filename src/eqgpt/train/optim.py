@@ -1,0 +1,91 @@
+"""AdamW with linear warmup and cosine decay, a decay mask, and global-norm clipping.
+
+The weight-decay mask comes from the module structure: `Linear` weights decay;
+biases, norm scales and embedding tables do not (unless asked). Arrays of other
+modules decay when their logical axes (`eqgpt.nn.logical_axes`) name two or more
+dimensions besides `layers`, i.e. when they are matrices.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import optax
+from jaxtyping import PyTree
+
+from eqgpt.nn.axes import LogicalAxes, logical_axes
+from eqgpt.nn.embedding import Embedding
+from eqgpt.nn.linear import Linear
+from eqgpt.nn.norm import LayerNorm, RMSNorm
+
+
+def decay_mask(params: PyTree, *, embeddings: bool = False, norms_and_biases: bool = False) -> PyTree:
+    """`True` for every array of `params` that weight decay applies to.
+
+    **Arguments:** `params` (a model, or `eqx.filter(model, eqx.is_array)`);
+    `embeddings`, `norms_and_biases`: also decay those.
+
+    **Returns:** a tree like `params` with bools in place of arrays.
+    """
+
+    def flags(module):
+        if isinstance(module, Embedding):
+            return jax.tree.map(lambda _: embeddings, module)
+        if isinstance(module, (LayerNorm, RMSNorm)):
+            return jax.tree.map(lambda _: norms_and_biases, module)
+        if isinstance(module, Linear):
+            out = eqx.tree_at(lambda m: m.weight, module, True)
+            if module.bias is not None:
+                out = eqx.tree_at(lambda m: m.bias, out, norms_and_biases)
+            return out
+        return module
+
+    known = lambda x: isinstance(x, (Embedding, LayerNorm, RMSNorm, Linear))  # noqa: E731
+    marked = jax.tree.map(flags, params, is_leaf=known)
+    axes = logical_axes(params)
+
+    def by_axes(flag, names):
+        if isinstance(flag, bool):
+            return flag
+        if isinstance(names, LogicalAxes):
+            return sum(n != "layers" for n in names.names) >= 2 or norms_and_biases
+        return False
+
+    return jax.tree.map(by_axes, marked, axes, is_leaf=lambda x: isinstance(x, (bool, LogicalAxes)))
+
+
+def make_schedule(
+    lr: float, *, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1
+) -> optax.Schedule:
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine to `min_lr_ratio * lr`."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be positive, got {total_steps}.")
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must lie in [0, total_steps={total_steps}).")
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
+        decay_steps=total_steps, end_value=lr * min_lr_ratio,
+    )
+
+
+def make_optimizer(
+    schedule: optax.Schedule | float,
+    *,
+    weight_decay: float = 0.1,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    clip_norm: float | None = 1.0,
+    decay_embeddings: bool = False,
+    decay_norms_and_biases: bool = False,
+) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the decay mask of `decay_mask`.
+
+    **Arguments:** a learning-rate `schedule` (or constant), AdamW's `weight_decay`,
+    `b1`, `b2`, `eps`; `clip_norm` (`None` disables clipping); which arrays decay.
+
+    **Returns:** an `optax.GradientTransformation` for `eqx.filter(model, eqx.is_array)`.
+    """
+    mask = lambda p: decay_mask(p, embeddings=decay_embeddings, norms_and_biases=decay_norms_and_biases)  # noqa: E731
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+    return adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)

@@ -1,0 +1,266 @@
+"""The training loop: batches -> step -> metrics, validation, samples, export.
+
+`Trainer` knows no parallel strategy: it is given a placement (which makes global
+batches), a compiled step and an initial state. It reads the loss back from the
+device only every `log_every` steps, and one step late (after the next step has
+been dispatched), so the host never stalls the device.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from eqgpt.data.loader import BatchLoader
+from eqgpt.train.state import TrainState
+from eqgpt.train.step import batch_loss
+
+
+@dataclass
+class TrainerConfig:
+    """Loop settings.
+
+    **Fields:** `steps` (total, counted from 0), `log_every` (steps between loss
+    read-backs and metric lines), `eval_every` (steps between validation losses; 0
+    only at start and end), `eval_batch_size`, `out_dir` (metrics, plot, samples),
+    `progress` (draw a progress bar).
+    """
+
+    steps: int = 100
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batch_size: int = 16
+    out_dir: Path | None = None
+    progress: bool = True
+
+
+@dataclass
+class History:
+    """What a run measured: metric rows as written to `metrics.jsonl`."""
+
+    rows: list[dict] = field(default_factory=list)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        pts = [(r["step"], r[key]) for r in self.rows if key in r]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def make_eval_fn(loss_fn: Callable = batch_loss, policy=None) -> Callable:
+    """A compiled `eval(model, batch) -> mean loss` (in the compute dtype of `policy`)."""
+
+    @eqx.filter_jit
+    def evaluate(model, batch):
+        m = model if policy is None else policy.cast_to_compute(model)
+        return loss_fn(m, batch)[0].astype(jnp.float32)
+
+    return evaluate
+
+
+class _StopFlag:
+    """Ctrl-C sets a flag; the loop stops after the step in flight. A second Ctrl-C interrupts."""
+
+    def __init__(self):
+        self.stop = False
+        self._old = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            if self.stop:
+                raise KeyboardInterrupt
+            self.stop = True
+
+        try:
+            self._old = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread: no handler, Ctrl-C raises as usual
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+class _Progress:
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            )
+            self.task = self.bar.add_task("train", total=total, completed=start, info="compiling...")
+            self.bar.start()
+
+    def update(self, step: int, info: str | None = None):
+        if self.bar is not None:
+            kw = {} if info is None else {"info": info}
+            self.bar.update(self.task, completed=step, **kw)
+
+    def print(self, msg: str):
+        if self.bar is not None:
+            self.bar.console.print(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class Trainer:
+    """Runs a training step over a loader, with validation, metrics and Ctrl-C handling.
+
+    **Arguments:**
+
+    - `step_fn`: from `make_train_step`; `state`: the initial `TrainState`.
+    - `loader`: a `BatchLoader` of training tokens; `placement`: makes global batches.
+    - `val_windows`: `[n, seq + 1]` validation windows (from `eval_windows`), or `None`.
+    - `config`: a `TrainerConfig`.
+    - `flops_per_token`, `peak_flops`: for the MFU estimate (omit to skip it).
+    - `schedule`: the learning-rate schedule, for logging `lr`.
+    - `eval_fn`: `(model, batch) -> loss`; default `lm_loss` via `make_eval_fn`.
+    """
+
+    def __init__(
+        self,
+        step_fn: Callable,
+        state: TrainState,
+        loader: BatchLoader,
+        placement,
+        *,
+        val_windows: np.ndarray | None = None,
+        config: TrainerConfig = TrainerConfig(),
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        schedule: Callable | None = None,
+        eval_fn: Callable | None = None,
+    ):
+        if config.steps < 1 or config.log_every < 1:
+            raise ValueError(f"steps and log_every must be positive, got {config.steps}, {config.log_every}.")
+        self.step_fn, self.state, self.loader, self.placement = step_fn, state, loader, placement
+        self.val_windows, self.config = val_windows, config
+        self.flops_per_token, self.peak_flops, self.schedule = flops_per_token, peak_flops, schedule
+        self.eval_fn = make_eval_fn() if eval_fn is None else eval_fn
+        self.history = History()
+        self.interrupted = False
+        self._metrics_file = None
+        if config.out_dir is not None:
+            Path(config.out_dir).mkdir(parents=True, exist_ok=True)
+            self._metrics_file = Path(config.out_dir) / "metrics.jsonl"
+
+    def validate(self, model: PyTree) -> float | None:
+        """Mean loss over the validation windows (nats/token), or `None` without them."""
+        if self.val_windows is None:
+            return None
+        bs = self.config.eval_batch_size
+        w = self.val_windows
+        n = (len(w) // bs) * bs or len(w)
+        losses = [self.eval_fn(model, self.placement.batch(w[i : i + bs])) for i in range(0, n, min(bs, n))]
+        return float(np.mean(jax.device_get(losses)))
+
+    def _log(self, row: dict):
+        self.history.rows.append(row)
+        if self._metrics_file is not None:
+            with open(self._metrics_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def run(self) -> TrainState:
+        """Train until `config.steps` (or Ctrl-C); **returns** the final state."""
+        cfg = self.config
+        start = int(self.state.step)
+        tokens_per_step = self.loader.batch_size * self.loader.seq_len
+        bar = _Progress(cfg.steps, start, cfg.progress)
+        pending: tuple[int, dict[str, Array]] | None = None
+        mark_step, mark_time = start, None
+        t_begin = time.perf_counter()
+        try:
+            with _StopFlag() as flag:
+                val = self.validate(self.state.model)
+                if val is not None:
+                    self._log({"step": start, "val_loss": val, "time": 0.0})
+                    bar.print(f"step {start}: val loss {val:.3f}")
+                step = start
+                while step < cfg.steps and not flag.stop:
+                    batch = self.placement.batch(self.loader.local_batch(step))
+                    self.state, metrics = self.step_fn(self.state, batch)
+                    if pending is not None:  # read the previous step's loss while this one runs
+                        mark_step, mark_time = self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
+                        pending = None
+                    step += 1
+                    if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1:
+                        pending = (step, metrics)
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                        self._eval_row(step, bar, t_begin)
+                if pending is not None:
+                    self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
+                self.interrupted = flag.stop
+                if flag.stop:
+                    bar.print(f"interrupted: stopped cleanly after step {step}")
+                if not cfg.eval_every or step % cfg.eval_every or step == cfg.steps:
+                    self._eval_row(step, bar, t_begin)
+        finally:
+            bar.close()
+        return self.state
+
+    def _eval_row(self, step: int, bar: _Progress, t_begin: float):
+        val = self.validate(self.state.model)
+        if val is not None:
+            self._log({"step": step, "val_loss": val, "time": time.perf_counter() - t_begin})
+            bar.print(f"step {step}: val loss {val:.3f}")
+
+    def _report(self, pending, mark_step, mark_time, tokens_per_step, bar, t_begin):
+        step, metrics = pending
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # blocks on `step` only
+        now = time.perf_counter()
+        row = {"step": step, **m, "time": now - t_begin, "skipped_total": int(self.state.skipped)}
+        if self.schedule is not None:
+            row["lr"] = float(self.schedule(step - 1))
+        info = f"loss {m['loss']:.3f}"
+        if mark_time is not None and step > mark_step:  # the first step includes compilation
+            tps = (step - mark_step) * tokens_per_step / (now - mark_time)
+            row["tokens_per_s"] = tps
+            info += f" | {tps:,.0f} tok/s"
+            if self.flops_per_token and self.peak_flops:
+                row["mfu"] = tps * self.flops_per_token / self.peak_flops
+                info += f" | MFU {row['mfu']:.1%}"
+        self._log(row)
+        bar.update(step, info)
+        return step, now
+
+
+def plot_history(history: History, path: str | Path, *, title: str = "") -> Path | None:
+    """Train and validation loss against step, as a PNG; `None` (and a notice) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss plot (pip install 'eqgpt[plot]').")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for key, style in (("loss", "-"), ("val_loss", "o-")):
+        xs, ys = history.series(key)
+        if xs:
+            ax.plot(xs, ys, style, label={"loss": "train", "val_loss": "validation"}[key], ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)

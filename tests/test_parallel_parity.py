@@ -1,0 +1,75 @@
+"""Every automatic strategy trains exactly like one device.
+
+Each case trains 5 AdamW steps (fp32, lr 1e-3) from the single-device run's
+initial weights on the same 5 batches, on the 8 simulated CPU devices, and
+compares per-step losses (rtol 1e-5) and all final parameters (rtol 1e-5,
+atol 1e-6; see `test_k_bias_is_noise` for the one looser bound).
+"""
+
+import numpy as np
+import pytest
+from parallel_cases import CONFIGS, reference_run, sharded_run
+
+CASES = [
+    ("data=8", "dp"),
+    ("fsdp=8", "fsdp"),
+    ("tensor=8", "tp"),
+    ("data=2,tensor=4", "dp+sp"),  # tp=4 with sp
+    ("data=2,fsdp=2,tensor=2", "dp+fsdp+tp"),
+    ("fsdp=4,tensor=2", "fsdp+sp"),
+]
+
+# GPT-2 style attention has a key bias. Its exact gradient is zero: it adds q.b_k
+# to every score of a query, and softmax ignores a per-query constant. So its
+# gradient is float rounding noise, which Adam divides by sqrt(v) + eps and turns
+# into updates of up to ~lr/10: its values are noise of size ~1e-5 whose last bits
+# depend on the summation order. It is compared with atol 2e-5 (values stay < 1e-4);
+# every other array with rtol 1e-5, atol 1e-6.
+NOISE_ONLY = {"blocks.attn.k_proj.bias": 2e-5}
+
+
+def assert_same_training(ref, out):
+    ref_losses, ref_arrays = ref[0], ref[1]
+    losses, arrays = out[0], out[1]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    assert ref_losses[0] > ref_losses[-1] - 0.5 and len(losses) == 5
+    assert arrays.keys() == ref_arrays.keys()
+    for path, want in ref_arrays.items():
+        np.testing.assert_allclose(arrays[path], want, rtol=1e-5, atol=NOISE_ONLY.get(path, 1e-6), err_msg=path)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("mesh, strategy", CASES, ids=[f"{m}:{s}" for m, s in CASES])
+def test_strategy_trains_like_one_device(name, mesh, strategy):
+    out = sharded_run(name, mesh, strategy)
+    assert_same_training(reference_run(name), out)
+    placement, model = out[3], out[4]
+    # The parameters really are distributed as the strategy says.
+    q = model.blocks.attn.q_proj.weight.sharding.spec
+    if "fsdp" in strategy:
+        assert "fsdp" in q
+    if "tp" in strategy or "sp" in strategy:
+        assert "tensor" in q
+    if strategy == "dp":
+        assert all(e is None for e in q)
+
+
+def test_per_module_overrides_train_like_one_device():
+    """Attention Megatron-split on `tensor` (and FSDP), the MLP FSDP only, and the
+    token table split over vocab on `tensor`: a mixed layout, initialised directly
+    sharded by `ShardedPlacement.init_model`."""
+    out = sharded_run("gpt", "fsdp=4,tensor=2", "fsdp", "attn_tp_mlp_fsdp_embed_vocab", init_directly=True)
+    assert_same_training(reference_run("gpt"), out)
+    model = out[4]
+    assert model.blocks.attn.q_proj.weight.sharding.spec == (None, "fsdp", "tensor")
+    assert model.blocks.mlp.up.weight.sharding.spec == (None, "fsdp", None)
+    assert model.tok_embed.weight.sharding.spec == ("tensor", None)
+    assert model.blocks.attn.shard.rules.activations["heads"] == ("tensor",)
+    assert "heads" not in model.blocks.mlp.shard.rules.activations
+
+
+def test_k_bias_is_noise():
+    """The looser bound above is for a parameter whose true gradient is zero."""
+    losses, arrays, *_ = reference_run("gpt")
+    k_bias = arrays["blocks.attn.k_proj.bias"]
+    assert np.max(np.abs(k_bias)) < 1e-4 < np.max(np.abs(arrays["blocks.attn.q_proj.bias"]))
