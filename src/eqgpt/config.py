@@ -87,7 +87,7 @@ _LLAMA = dict(norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", position="rope", use_
 
 PRESETS: dict[str, GPTConfig] = {
     # CPU-sized byte-level models: the default recipe and the tests.
-    "nano": GPTConfig(vocab_size=256, seq_len=256, num_layers=4, num_heads=4, embed_dim=256),
+    "nano": GPTConfig(vocab_size=256, seq_len=128, num_layers=4, num_heads=4, embed_dim=128),
     "llama-nano": GPTConfig(vocab_size=256, seq_len=256, num_layers=4, num_heads=4,
                             num_kv_heads=2, embed_dim=256, mlp_dim=688, **_LLAMA),
     # GPT-2 (Radford et al. 2019), with its 50257-token vocabulary.

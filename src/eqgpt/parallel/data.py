@@ -83,6 +83,9 @@ class _Plan:
                 "Add them to data_axes or use the automatic path for them."
             )
         self.mesh, self.tensor_axis, self.sp = mesh, tensor_axis, sequence_parallel
+        if isinstance(compute_dtype, str):
+            names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+            compute_dtype = jnp.dtype(names.get(compute_dtype, compute_dtype))
         self.chunk_size, self.z_loss, self.compute_dtype = chunk_size, z_loss, compute_dtype
         self.dp = tuple(a for a in data_axes if mesh.shape[a] > 1)
         self.dp_size = 1
@@ -108,6 +111,10 @@ class _Plan:
         self._cache: dict = {}
 
     def check_batch(self, batch: Any) -> dict:
+        if eqx.is_array(batch):  # the trainer's form: [batch, seq + 1] tokens
+            if batch.ndim != 2 or batch.shape[1] < 2:
+                raise ValueError(f"a token batch must be [batch, seq + 1]; got shape {batch.shape}.")
+            batch = {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
         names = ("tokens", "targets", "loss_mask", "segment_ids")
         b = {k: _get(batch, k, required=k in ("tokens", "targets")) for k in names}
         b = {k: v for k, v in b.items() if v is not None}
@@ -180,8 +187,9 @@ def manual_grad_fn(
     """A `grad_fn(model, batch) -> ((loss, aux), grads)` running the manual DP x TP (x SP) path.
 
     The returned function takes the plain `GPT` (global arrays, any placement; the
-    layout of `manual_specs` avoids a reshard) and a batch mapping with `tokens`,
-    `targets` and optionally `loss_mask`, `segment_ids` (`[batch, seq]`). Inside
+    layout of `manual_specs` avoids a reshard) and a batch: the trainer's
+    `[batch, seq + 1]` token array, or a mapping with `tokens`, `targets` and
+    optionally `loss_mask`, `segment_ids` (`[batch, seq]`). Inside
     one `shard_map`: the model is wrapped by `tensor_parallel`, the loss is the
     vocabulary-parallel cross-entropy, and the gradients of arrays replicated over
     the data axes (and, under SP, over the tensor axis) are all-reduced explicitly
@@ -196,7 +204,8 @@ def manual_grad_fn(
     - `data_axes`: axes the batch rows are split over.
     - `chunk_size`, `z_loss`: as `eqgpt.nn.lm_loss`.
     - `compute_dtype`: cast floating parameters to this dtype for the forward
-      (e.g. `jnp.bfloat16`); gradients are reduced in fp32 regardless.
+      (e.g. `jnp.bfloat16` or `"bf16"`); gradients come back in the parameter
+      dtype and are reduced in fp32 regardless.
 
     **Returns:** the gradient function; `aux` has `nll` and `z_loss` like `lm_loss`.
     Raises `ValueError` for sizes the mesh cannot split.

@@ -494,8 +494,10 @@ def collective_table(
     rows = collective_summary(compiled, mesh=mesh)
     table = Table(title=title)
     named = mesh is not None
-    for col in ("kind", "mesh axes" if named else "replica groups", "group", "ops", "runs", "bytes"):
-        table.add_column(col, justify="right" if col in ("group", "ops", "runs", "bytes") else "left")
+    table.add_column("kind", no_wrap=True)
+    table.add_column("mesh axes" if named else "replica groups", overflow="fold", max_width=40)
+    for col in ("group", "ops", "runs", "bytes"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         kind = f"{r.kind} (reduce-scatter on GPU/TPU)" if r.kind == SLICED else r.kind
         where = ",".join(r.axes or ("?",)) if named else r.replica_groups
@@ -503,7 +505,7 @@ def collective_table(
                       f"{r.bytes} ({_human(r.bytes)})")
     if not rows:
         table.add_row("(none)", "", "", "", "", "")
-    console = Console(width=120, record=True, file=_Null())
+    console = Console(width=160, record=True, file=_Null())
     console.print(table)
     return console.export_text()
 

@@ -169,8 +169,14 @@ def _checksums(arrays: dict[str, Array]) -> dict[str, Array]:
 
 def checksums(arrays: Mapping[str, Array]) -> dict[str, int]:
     """`{name: checksum}` of named arrays (one compiled reduction; identical on every process)."""
-    out = _checksums(dict(arrays))
-    return {k: int(np.asarray(v.addressable_data(0))) for k, v in out.items()}
+    groups: dict[Any, dict[str, Array]] = {}
+    for name, x in arrays.items():  # one computation per device set (a program spans one)
+        devices = frozenset(d.id for d in x.sharding.device_set)
+        groups.setdefault(devices, {})[name] = x
+    out = {}
+    for group in groups.values():
+        out.update(_checksums(group))
+    return {k: int(np.asarray(out[k].addressable_data(0))) for k in arrays}
 
 
 # --- config comparison ---------------------------------------------------------------------------

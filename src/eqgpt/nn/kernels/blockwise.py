@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from eqgpt.nn.mask import Mask
 from eqgpt.nn.kernels.reference import group_queries
+from eqgpt.nn.mask import Mask
 
 # Finite stand-in for -inf: masked scores, and the log-sum-exp of rows with no key.
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -84,6 +84,15 @@ def _scale(q, scale):
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
+def _varying_zero(*xs) -> Array:
+    """An fp32 scalar zero with the varying manual axes of `xs` (a plain 0 outside `shard_map`).
+
+    Added to the scan carries so that, inside `jax.shard_map`, their initial values
+    have the same type as the values the loop computes from the inputs.
+    """
+    return sum(jnp.zeros_like(x, jnp.float32, shape=()) for x in xs if x is not None)
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -127,10 +136,11 @@ def _forward(mask, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
             )
             return carry, None
 
+        zero = _varying_zero(q, k, v, q_pos, k_pos, q_seg, k_seg)
         init = (
-            jnp.full((b, g, r, bq), _NEG, jnp.float32),
-            jnp.zeros((b, g, r, bq), jnp.float32),
-            jnp.zeros((b, g, r, bq, d), jnp.float32),
+            jnp.full((b, g, r, bq), _NEG, jnp.float32) + zero,
+            jnp.zeros((b, g, r, bq), jnp.float32) + zero,
+            jnp.zeros((b, g, r, bq, d), jnp.float32) + zero,
         )
         (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kpb, kvb, ksb))
         live = l > 0
@@ -207,15 +217,16 @@ def _backward(
             return (dk, dv), dqi
 
         init = (
-            jnp.zeros((b, bk, g, d), jnp.float32),
-            jnp.zeros((b, bk, g, d), jnp.float32),
+            jnp.zeros((b, bk, g, d), jnp.float32) + zero,
+            jnp.zeros((b, bk, g, d), jnp.float32) + zero,
         )
         (dk, dv), dq = jax.lax.scan(
             step, init, (qb, dob, lseb, deltab, qpb, qvb, qsb, dq)
         )
         return dq, (dk, dv)
 
-    dq0 = jnp.zeros(qb.shape, jnp.float32)
+    zero = _varying_zero(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg)
+    dq0 = jnp.zeros(qb.shape, jnp.float32) + zero
     dq, (dk, dv) = jax.lax.scan(one_key_block, dq0, (kb, vb, kpb, kvb, ksb))
     dq = jnp.moveaxis(dq, 0, 1).reshape(b, -1, h, d)[:, :t]
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, -1, g, d)[:, :s]

@@ -1,0 +1,112 @@
+"""`ContextKernel`: ring or all-gather attention behind the ordinary kernel signature.
+
+A `ContextKernel` is called like every kernel of `eqgpt.nn.kernels`, on global
+arrays `q: [b, T, h, d]`, `k, v: [b, T, g, d]` and global positions `[T]` (in
+layout order, see `eqgpt.parallel.context.layout`). It wraps the per-device
+function in `jax.shard_map` over the context axis *only*
+(`axis_names={"context"}`): the sequence dimension is manual, split over the
+axis, while every other mesh axis stays with the automatic partitioner. So a
+batch split over `data`/`fsdp` and heads split over `tensor` (rules of
+`eqgpt.parallel.rules`) pass through unchanged, and DP, FSDP and TP compose
+with context parallelism without any code here knowing about them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from eqgpt.nn.mask import Mask
+from eqgpt.parallel.context.allgather import allgather_attention
+from eqgpt.parallel.context.ring import ring_attention
+
+Impl = Literal["ring", "allgather"]
+IMPLS: tuple[str, ...] = ("ring", "allgather")
+
+
+class ContextKernel(eqx.Module):
+    """Sequence-sharded exact attention over the `axis` of `mesh`.
+
+    **Arguments:**
+
+    - `mesh`: the device mesh (from `eqgpt.parallel.make_mesh`).
+    - `impl`: `"ring"` (k/v shards rotate with `ppermute`) or `"allgather"` (k/v
+      gathered once; see `docs/parallelism/context.md` for which to choose).
+    - `axis`: the mesh axis the sequence is split over.
+    - `block_q`, `block_k`: tile sizes of the blockwise kernel on each device.
+    """
+
+    mesh: Mesh = eqx.field(static=True)
+    impl: str = eqx.field(static=True)
+    axis: str = eqx.field(static=True)
+    block_q: int = eqx.field(static=True)
+    block_k: int = eqx.field(static=True)
+
+    def __init__(self, mesh: Mesh, impl: Impl = "ring", *, axis: str = "context",
+                 block_q: int = 128, block_k: int = 128):
+        if impl not in IMPLS:
+            raise ValueError(f"unknown context attention {impl!r}; choose one of {IMPLS}.")
+        if axis not in mesh.shape:
+            raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no {axis!r} axis; build it with make_mesh.")
+        if block_q < 1 or block_k < 1:
+            raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}.")
+        self.mesh, self.impl, self.axis = mesh, impl, axis
+        self.block_q, self.block_k = block_q, block_k
+
+    @property
+    def size(self) -> int:
+        """Devices on the context axis."""
+        return self.mesh.shape[self.axis]
+
+    def __call__(
+        self,
+        q: Float[Array, "b t h d"],
+        k: Float[Array, "b t g d"],
+        v: Float[Array, "b t g d"],
+        *,
+        mask: Mask,
+        q_pos: Int[Array, " t"],
+        k_pos: Int[Array, " t"],
+        q_seg: Int[Array, "b t"] | None = None,
+        k_seg: Int[Array, "b t"] | None = None,
+        scale: float | None = None,
+    ) -> Float[Array, "b t h d"]:
+        """Attention over the whole sequence; arrays in layout order, sequence split on `axis`.
+
+        **Arguments:** as every kernel (`eqgpt.nn.kernels`); queries and keys are the
+        same tokens (self-attention), so `q_pos`/`k_pos` and `q_seg`/`k_seg` have one
+        layout.
+
+        **Returns:** the output, `[b, T, h, d]`, split over `axis` on the sequence.
+        """
+        t, n = q.shape[1], self.size
+        if k.shape[1] != t:
+            raise ValueError(f"context attention is self-attention: q has {t} positions, k has {k.shape[1]}.")
+        if t % n:
+            raise ValueError(
+                f"the sequence ({t} tokens) must split evenly over the {n} devices of axis "
+                f"{self.axis!r}; use a length divisible by {n}."
+            )
+        if (q_seg is None) != (k_seg is None):
+            raise ValueError("Pass both q_seg and k_seg, or neither.")
+        fn = ring_attention if self.impl == "ring" else allgather_attention
+        kw = dict(mask=mask, scale=scale, axis=self.axis, block_q=self.block_q, block_k=self.block_k)
+        seq, tok = P(None, self.axis), P(self.axis)
+        if q_seg is None:
+            def local(q, k, v, qp, kp):
+                return fn(q, k, v, q_pos=qp, k_pos=kp, **kw)
+            args, specs = (q, k, v, q_pos, k_pos), (seq, seq, seq, tok, tok)
+        else:
+            def local(q, k, v, qp, kp, qs, ks):
+                return fn(q, k, v, q_pos=qp, k_pos=kp, q_seg=qs, k_seg=ks, **kw)
+            args, specs = (q, k, v, q_pos, k_pos, q_seg, k_seg), (seq,) * 3 + (tok, tok, seq, seq)
+        mapped = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=seq,
+                               axis_names={self.axis})
+        return mapped(*args)
+
+
+__all__ = ["ContextKernel", "IMPLS", "Impl"]

@@ -1,0 +1,197 @@
+"""Ring attention: queries stay, key/value shards travel around the `context` ring.
+
+Runs *inside* `jax.shard_map` over the context axis, on the local shards:
+`q: [b, T/n, h, d]`, `k, v: [b, T/n, g, d]` and their global positions (and
+segment ids). With `n` devices on the axis:
+
+```text
+step s = 0 .. n-1:   device i holds the k/v shard of device (i - s) mod n
+  partial_s = blockwise attention(q_i, kv_(i-s))     fp32 (out, lse)
+  (out, lse) = merge(out, lse, partial_s)           online softmax
+  send kv to device i+1, receive from i-1           (n-1 times in all)
+```
+
+The receive for step `s+1` is issued before the compute of step `s`, so the two
+can overlap. A step whose whole key shard is masked out for the whole query shard
+(`Mask.block_may_attend` on the shard's positions) is skipped with `lax.cond`;
+inside a step, the blockwise kernel skips masked tiles the same way. Every device
+joins every `ppermute` whichever branch it takes.
+
+The backward pass (a `jax.custom_vjp`) keeps only `q, k, v`, the merged output and
+its fp32 log-sum-exp, and runs the ring again: at each step
+`blockwise_backward` gives this query shard's share of `dq` and of the visiting
+shard's `dk, dv`, computed with the *global* output and LSE; `dk, dv` travel
+(in fp32) with their `k, v`, and one last hop hands them to their owner.
+Communication per device: forward `(n-1) * |k_i + v_i|`; backward the same for
+`k, v`, plus `n * |dk_i + dv_i|` in fp32.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from eqgpt.nn.kernels.blockwise import blockwise_backward, blockwise_forward, merge_partials
+from eqgpt.nn.mask import Mask
+
+# Finite stand-in for -inf, as in the blockwise kernel: the LSE of rows with no key.
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def _shift(tree, axis: str):
+    """Send every leaf to the next device of the ring (i -> i+1 mod n)."""
+    n = jax.lax.axis_size(axis)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
+
+
+def _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg):
+    n = jax.lax.axis_size(axis)
+    kw = dict(mask=mask, q_pos=q_pos, q_seg=q_seg, scale=scale, block_q=block_q, block_k=block_k)
+
+    def partial_attention(kv):
+        kj, vj, kp, ks = kv
+
+        def compute(_):
+            o, lse = blockwise_forward(q, kj, vj, k_pos=kp, k_seg=ks, **kw)
+            return o.astype(jnp.float32), lse
+
+        def skip(_):
+            return jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], _NEG, jnp.float32)
+
+        return jax.lax.cond(mask.block_may_attend(q_pos, kp), compute, skip, None)
+
+    def step(carry, _):
+        (out, lse), kv = carry
+        incoming = _shift(kv, axis)  # independent of this step's compute: may overlap
+        out, lse = merge_partials(out, lse, *partial_attention(kv))
+        return ((out, lse), incoming), None
+
+    init = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], _NEG, jnp.float32))
+    kv = (k, v, k_pos, k_seg)
+    ((out, lse), kv), _ = jax.lax.scan(step, (init, kv), None, length=n - 1)
+    out, lse = merge_partials(out, lse, *partial_attention(kv))
+    return out.astype(q.dtype), lse
+
+
+def _backward(mask, axis, scale, block_q, block_k, q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg):
+    n = jax.lax.axis_size(axis)
+    kw = dict(mask=mask, q_pos=q_pos, q_seg=q_seg, scale=scale, block_q=block_q, block_k=block_k)
+
+    def partial_grads(kv):
+        kj, vj, kp, ks = kv
+
+        def compute(_):
+            dq, dk, dv = blockwise_backward(q, kj, vj, out, lse, dout, k_pos=kp, k_seg=ks, **kw)
+            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+        def skip(_):
+            return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(kj, jnp.float32),
+                    jnp.zeros_like(vj, jnp.float32))
+
+        return jax.lax.cond(mask.block_may_attend(q_pos, kp), compute, skip, None)
+
+    def accumulate(dq, kv, dkv):
+        dq_s, dk_s, dv_s = partial_grads(kv)
+        return dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
+
+    def step(carry, _):
+        dq, kv, dkv = carry
+        incoming = _shift(kv, axis)
+        dq, dkv = accumulate(dq, kv, dkv)
+        return (dq, incoming, _shift(dkv, axis)), None
+
+    dq = jnp.zeros_like(q, jnp.float32)
+    dkv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+    kv = (k, v, k_pos, k_seg)
+    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), None, length=n - 1)
+    dq, dkv = accumulate(dq, kv, dkv)
+    # Device i now holds the gradients of the shard of device i+1: one last hop home.
+    dk, dv = _shift(dkv, axis)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _ring(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg):
+    return _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)[0]
+
+
+def _ring_fwd(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg):
+    out, lse = _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
+    return out, (q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
+
+
+def _ring_bwd(mask, axis, scale, block_q, block_k, res, dout):
+    q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = res
+    dq, dk, dv = _backward(
+        mask, axis, scale, block_q, block_k, q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t g d"],
+    v: Float[Array, "b t g d"],
+    *,
+    mask: Mask,
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " t"],
+    q_seg: Int[Array, "b t"] | None = None,
+    k_seg: Int[Array, "b t"] | None = None,
+    scale: float | None = None,
+    axis: str = "context",
+    block_q: int = 128,
+    block_k: int = 128,
+) -> Float[Array, "b t h d"]:
+    """Exact attention of this device's queries over the keys of every device on `axis`.
+
+    Call inside `jax.shard_map` over `axis`; every argument is this device's shard.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: local shards, `[batch, T/n, heads | kv_heads, head_dim]`.
+    - `mask`: a `Mask` of `eqgpt.nn.mask`, applied to global positions.
+    - `q_pos`, `k_pos`: global positions of the local queries and keys (any layout).
+    - `q_seg`, `k_seg`: optional segment ids of the local tokens; documents may
+      cross shard boundaries.
+    - `scale`: score scale (default `head_dim ** -0.5`).
+    - `axis`: the mesh axis of the ring.
+    - `block_q`, `block_k`: tile sizes of the blockwise kernel run at each step.
+
+    **Returns:** the local shard of the attention output, typed like `q`.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _ring(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
+
+
+def ring_attention_with_lse(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t g d"],
+    v: Float[Array, "b t g d"],
+    *,
+    mask: Mask,
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " t"],
+    q_seg: Int[Array, "b t"] | None = None,
+    k_seg: Int[Array, "b t"] | None = None,
+    scale: float | None = None,
+    axis: str = "context",
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b t h"]]:
+    """The ring forward pass only: output and fp32 log-sum-exp (not differentiable).
+
+    **Arguments:** as `ring_attention`. **Returns:** `(out, lse)` of the local queries.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
+
+
+__all__ = ["ring_attention", "ring_attention_with_lse"]

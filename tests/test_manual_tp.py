@@ -1,0 +1,304 @@
+"""The manual (shard_map) path trains exactly like one device and like the automatic path,
+and its compiled programs hold the collectives Megatron's analysis predicts.
+
+Training cases reuse `parallel_cases` (the automatic path's tests): the same tiny
+GPT-2-style and Llama-style models (8 heads; Llama: 4 kv heads, so tensor=8
+replicates the kv projections and tensor=4 splits them), the same 5 batches and
+AdamW steps. Per-step losses and gradients are compared with the single-device
+run, losses and final weights with the automatic run.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from eqgpt import nn
+from eqgpt import parallel as par
+from eqgpt.parallel import tensor as tp
+from eqgpt.parallel.data import manual_grad_fn, manual_loss_fn, manual_specs
+from eqgpt.parallel.shard_map import filter_shard_map, place
+from eqgpt.profile import collectives
+from parallel_cases import (
+    CONFIGS,
+    OPTIMIZER,
+    OPTIONS,
+    arrays,
+    batches,
+    reference_model,
+    sharded_run,
+)
+
+# (mesh, sequence parallel, the automatic strategy computing the same thing)
+CASES = [("tensor=8", False, "tp"), ("data=2,tensor=4", True, "dp+sp"), ("data=2,tensor=4", False, "dp+tp")]
+CASE_IDS = ["tp8", "tp4-sp", "dp2-tp4"]
+# See test_parallel_parity.NOISE_ONLY: the key bias has a zero true gradient, so
+# AdamW turns its rounding noise into ~1e-5 updates.
+NOISE_ONLY = {"blocks.attn.k_proj.bias": 2e-5}
+
+
+def _train(model, grad_fn, place_batch):
+    def step(model, opt_state, batch):
+        (loss, _), grads = grad_fn(model, batch)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss, grads
+
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    data = [place_batch({"tokens": x, "targets": y}) for x, y in batches()]
+    compiled = eqx.filter_jit(step).lower(model, opt_state, data[0]).compile(OPTIONS)
+    losses, grads = [], []
+    for batch in data:
+        model, opt_state, loss, g = compiled(model, opt_state, batch)
+        losses.append(float(loss))
+        grads.append(arrays(g))
+    return losses, grads, arrays(model), compiled
+
+
+@functools.cache
+def single_device(name):
+    def grad_fn(model, batch):
+        loss = lambda m: nn.lm_loss(m, batch["tokens"], batch["targets"])  # noqa: E731
+        return eqx.filter_value_and_grad(loss, has_aux=True)(model)
+
+    return _train(reference_model(name), grad_fn, lambda b: jax.tree.map(jnp.asarray, b))
+
+
+@functools.cache
+def manual(name, mesh_spec, sp):
+    mesh = par.make_mesh(mesh_spec)
+    model = reference_model(name)
+    grad_fn = manual_grad_fn(model, mesh, sequence_parallel=sp)
+    rows = NamedSharding(mesh, P("data" if mesh.shape["data"] > 1 else None, None))
+    out = _train(place(model, mesh, manual_specs(model, mesh)), grad_fn, lambda b: jax.device_put(b, rows))
+    return (*out, mesh)
+
+
+def assert_arrays_close(got, want, what):
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=NOISE_ONLY.get(path, 1e-6),
+                                   err_msg=f"{what}: {path}")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("mesh_spec, sp, strategy", CASES, ids=CASE_IDS)
+def test_manual_trains_like_one_device_and_like_automatic(name, mesh_spec, sp, strategy):
+    ref_losses, ref_grads, ref_final, _ = single_device(name)
+    losses, grads, final, *_ = manual(name, mesh_spec, sp)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    assert ref_losses[-1] < ref_losses[0]
+    for step, (g, want) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert_arrays_close(g, want, f"gradient at step {step}")
+    assert_arrays_close(final, ref_final, "weights after 5 steps")
+
+    auto_losses, auto_final, *_ = sharded_run(name, mesh_spec, strategy)
+    np.testing.assert_allclose(losses, auto_losses, rtol=1e-5, atol=0)
+    assert_arrays_close(final, auto_final, "manual vs automatic weights")
+
+
+def _wire(rows, kind, *, axes=("tensor",), dtype="f32", phase=None):
+    """Bytes each device sends for `kind` on `axes` (ring: all-reduce 2(n-1)/n, others (n-1)/n)."""
+    total = 0.0
+    for r in rows:
+        if r.effective_kind != kind or r.axes != axes or (phase and r.phase != phase):
+            continue
+        if not all(s.startswith(dtype) for s in r.shapes):
+            continue
+        n = r.group_size
+        total += r.total_bytes * (2 if kind == "all-reduce" else 1) * (n - 1) / n
+    return total
+
+
+@functools.cache
+def forward_program(name, mesh_spec, sp):
+    mesh = par.make_mesh(mesh_spec)
+    model = reference_model(name)
+    loss_fn = manual_loss_fn(model, mesh, sequence_parallel=sp)
+    x, y = batches(1)[0]
+    rows = NamedSharding(mesh, P("data", None))
+    batch = jax.device_put({"tokens": x, "targets": y}, rows)
+    compiled = eqx.filter_jit(loss_fn).lower(place(model, mesh, manual_specs(model, mesh)), batch).compile(OPTIONS)
+    return collectives(compiled, mesh), mesh
+
+
+ACT = "f32[4,32,32]"  # one device's [batch/2, seq, embed] activations on data=2,tensor=4
+
+
+def test_tp_forward_has_two_all_reduces_per_layer():
+    rows, _ = forward_program("gpt", "data=2,tensor=4", False)
+    layers = CONFIGS["gpt"].num_layers
+    tensor_ar = [r for r in rows if r.kind == "all-reduce" and r.axes == ("tensor",)]
+    in_layers = [r for r in tensor_ar if r.executions == layers]
+    assert len(in_layers) == 2 and all(r.shapes == (ACT,) for r in in_layers)  # g after attention, g after MLP
+    outside = [r for r in tensor_ar if r.executions == 1]
+    # The vocab-parallel embedding's g, and the loss's [batch, seq] statistics
+    # (the max; the sum of exponentials and the target logit, combined by XLA).
+    assert sorted(r.shapes for r in outside) == sorted([(ACT,), ("f32[4,32]",), ("f32[4,32]", "f32[4,32]")])
+    assert not [r for r in rows if r.kind in ("all-gather", "reduce-scatter")]
+
+
+def test_sp_swaps_each_all_reduce_for_all_gather_and_reduce_scatter_of_equal_bytes():
+    tp_rows, _ = forward_program("gpt", "data=2,tensor=4", False)
+    sp_rows, _ = forward_program("gpt", "data=2,tensor=4", True)
+    assert not [r for r in sp_rows if r.kind == "all-reduce" and ACT in r.shapes]
+    layers = CONFIGS["gpt"].num_layers
+    for kind in ("all-gather", "reduce-scatter"):
+        assert len([r for r in sp_rows if r.kind == kind and r.executions == layers]) == 2
+    tp_wire = _wire(tp_rows, "all-reduce")
+    sp_wire = _wire(sp_rows, "all-gather") + _wire(sp_rows, "reduce-scatter")
+    loss_stats = _wire([r for r in tp_rows if ACT not in r.shapes], "all-reduce")
+    assert sp_wire == pytest.approx(tp_wire - loss_stats, rel=1e-9)
+    assert _wire(sp_rows, "all-reduce") == pytest.approx(loss_stats, rel=1e-9)  # the loss keeps its own
+
+
+@pytest.mark.parametrize("mesh_spec, sp, strategy", CASES, ids=CASE_IDS)
+def test_manual_and_automatic_move_the_same_bytes(mesh_spec, sp, strategy):
+    """Total wire bytes of one training step (gradient + update), manual vs automatic, within 5%."""
+    manual_rows = collectives(manual("gpt", mesh_spec, sp)[3], manual("gpt", mesh_spec, sp)[4])
+    auto_rows = collectives(sharded_run("gpt", mesh_spec, strategy)[2], par.make_mesh(mesh_spec))
+
+    def wire(rows):
+        return sum(_wire(rows, k, axes=a, dtype="") for k in ("all-reduce", "all-gather", "reduce-scatter",
+                   "all-to-all", "collective-permute") for a in {r.axes for r in rows})
+
+    assert wire(manual_rows) == pytest.approx(wire(auto_rows), rel=0.05)
+
+
+def test_gradients_are_reduced_in_fp32_under_bf16_compute():
+    mesh = par.make_mesh("data=8")
+    model = reference_model("gpt")
+    grad_fn = manual_grad_fn(model, mesh, compute_dtype="bf16")
+    x, y = batches(1)[0]
+    batch = jax.device_put({"tokens": x, "targets": y}, NamedSharding(mesh, P("data", None)))
+    compiled = eqx.filter_jit(grad_fn).lower(place(model, mesh, manual_specs(model, mesh)), batch).compile(OPTIONS)
+    data_rows = [r for r in collectives(compiled, mesh) if r.axes == ("data",)]
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert all(s.startswith("f32") for r in data_rows for s in r.shapes)
+    assert sum(r.total_bytes for r in data_rows) >= grad_bytes  # every gradient, plus the loss scalars
+    (loss, _), grads = compiled(place(model, mesh, manual_specs(model, mesh)), batch)
+    ref = nn.lm_loss(model, jnp.asarray(x), jnp.asarray(y))[0]
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert abs(float(loss) - float(ref)) < 0.05  # bf16 forward
+
+
+def test_masked_z_loss_with_segments_matches_one_device():
+    """Loss masks are normalised by the global token count; z-loss and documents work under dp x sp."""
+    model = reference_model("llama")
+    x, y = batches(1)[0]
+    mask = (np.arange(x.shape[1])[None] < np.array([32, 20, 7, 32, 0, 32, 11, 25])[:, None]).astype(np.float32)
+    seg = (np.arange(x.shape[1])[None] >= 13).astype(np.int32).repeat(x.shape[0], 0)
+    ref, ref_aux = nn.lm_loss(model, jnp.asarray(x), jnp.asarray(y), loss_mask=jnp.asarray(mask),
+                              segment_ids=jnp.asarray(seg), z_loss=1e-2, chunk_size=8)
+    mesh = par.make_mesh("data=2,tensor=4")
+    loss_fn = manual_loss_fn(model, mesh, sequence_parallel=True, z_loss=1e-2, chunk_size=8)
+    batch = jax.device_put({"tokens": x, "targets": y, "loss_mask": mask, "segment_ids": seg},
+                           NamedSharding(mesh, P("data", None)))
+    loss, aux = eqx.filter_jit(loss_fn)(place(model, mesh, manual_specs(model, mesh)), batch)
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
+    np.testing.assert_allclose(float(aux["z_loss"]), float(ref_aux["z_loss"]), rtol=1e-6)
+
+
+def test_vocab_parallel_cross_entropy_equals_dense():
+    mesh = jax.make_mesh((8,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,))
+    logits = 3 * jax.random.normal(jax.random.key(0), (5, 64))
+    targets = jax.random.randint(jax.random.key(1), (5,), 0, 64)
+
+    def local(lg, t):
+        start = jax.lax.axis_index("tensor") * lg.shape[-1]
+        return tp.vocab_parallel_cross_entropy(lg, t, start, "tensor")
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tensor"), P()), out_specs=(P(), P()))
+
+    def dense(lg, t):
+        lse = jax.nn.logsumexp(lg, axis=-1)
+        return lse - jnp.take_along_axis(lg, t[:, None], axis=-1)[:, 0], lse
+
+    for a, b in zip(sharded(logits, targets), dense(logits, targets), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    w = jnp.arange(5.0)
+    g = jax.grad(lambda lg: jnp.sum(w * sharded(lg, targets)[0]))(logits)
+    np.testing.assert_allclose(g, jax.grad(lambda lg: jnp.sum(w * dense(lg, targets)[0]))(logits),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_a_single_block_can_be_wrapped():
+    """`tensor_parallel(block)` under `filter_shard_map`, with and without SP, equals the block."""
+    config = CONFIGS["llama"]
+    block = nn.make_block(config, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (2, 16, config.embed_dim))
+    mesh = par.make_mesh("tensor=8")
+    specs = tp.tensor_parallel_specs(block, mesh)
+
+    def run(sp):
+        def local(block, x):
+            return tp.tensor_parallel(block, size=8, sequence_parallel=sp)(x, positions=positions(x, sp))
+
+        seq = P(None, "tensor") if sp else P()
+        return filter_shard_map(local, mesh=mesh, in_specs=(specs, seq), out_specs=seq)
+
+    def positions(x, sp):
+        offset = jax.lax.axis_index("tensor") * x.shape[1] if sp else 0
+        return offset + jnp.arange(x.shape[1])
+
+    @jax.jit
+    def outputs(block, x):
+        w = jnp.cos(jnp.arange(x.size).reshape(x.shape))
+        loss = lambda f: lambda b: jnp.sum(w * f(b, x))  # noqa: E731
+        return [jax.value_and_grad(loss(f))(block) for f in (lambda b, x: b(x), run(False), run(True))]
+
+    (want, g_want), *rest = outputs(block, x)
+    for got, g in rest:
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "config, size, part, needle",
+    [
+        (CONFIGS["gpt"], 3, "blocks", "attention heads"),
+        (CONFIGS["gpt"].replace(num_heads=4, embed_dim=32), 8, "blocks", "attention heads"),
+        (CONFIGS["gpt"].replace(mlp_dim=36), 8, "blocks", "MLP width"),
+        (CONFIGS["gpt"].replace(vocab_size=60), 8, "tok_embed", "vocabulary"),
+        (CONFIGS["llama"].replace(vocab_size=60), 4, "head", "vocabulary"),
+        (CONFIGS["llama"].replace(num_heads=6, num_kv_heads=3, embed_dim=48), 2, "blocks", "kv heads"),
+        (CONFIGS["llama"].replace(num_heads=12, num_kv_heads=3, embed_dim=48), 4, "blocks", "kv heads"),
+    ],
+)
+def test_sizes_that_do_not_split_raise_when_wrapped(config, size, part, needle):
+    model = eqx.filter_eval_shape(nn.GPT, config, key=jax.random.key(0))
+    for module in (model, getattr(model, part)):  # the whole GPT, and the part alone
+        with pytest.raises(ValueError, match=needle):
+            tp.tensor_parallel(module, size=size)
+
+
+def test_bad_batches_and_meshes_raise_before_compiling():
+    model = eqx.filter_eval_shape(nn.GPT, CONFIGS["gpt"], key=jax.random.key(0))
+    mesh = par.make_mesh("data=2,tensor=4")
+    grad_fn = manual_grad_fn(model, mesh, sequence_parallel=True)
+    tokens = jnp.zeros((8, 31), jnp.int32)
+    with pytest.raises(ValueError, match="sequence"):
+        grad_fn(model, {"tokens": tokens[:, :30], "targets": tokens[:, :30]})  # 30 % 4
+    with pytest.raises(ValueError, match="rows"):
+        grad_fn(model, tokens[:3])
+    with pytest.raises(ValueError, match="fsdp"):
+        manual_grad_fn(model, par.make_mesh("fsdp=2,tensor=4"))
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        manual_grad_fn(model, par.make_mesh("data=8"), sequence_parallel=True)
+
+
+def test_trainer_token_batches_are_accepted():
+    """The trainer's `[batch, seq + 1]` form gives the same loss as the mapping."""
+    model = reference_model("gpt")
+    mesh = par.make_mesh("tensor=8")
+    x, y = batches(1)[0]
+    tokens = np.concatenate([x, y[:, -1:]], axis=1)
+    loss_fn = manual_loss_fn(model, mesh)
+    placed = place(model, mesh, manual_specs(model, mesh))
+    a = eqx.filter_jit(loss_fn)(placed, jnp.asarray(tokens))[0]
+    assert float(a) == pytest.approx(float(nn.lm_loss(model, jnp.asarray(x), jnp.asarray(y))[0]), rel=1e-6)

@@ -1,0 +1,170 @@
+"""Pipeline schedules as tables: ordering rules, bubble formulas, buffer sizes, errors.
+
+The ordering checks here are written independently of `Schedule`'s own validation:
+they read the finished table cell by cell.
+"""
+
+import itertools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqgpt
+from eqgpt import nn
+from eqgpt.parallel import make_mesh
+from eqgpt.parallel.pipeline import (
+    Action,
+    Schedule,
+    gpipe,
+    interleaved,
+    lower,
+    make_schedule,
+    one_f_one_b,
+    pipeline_grad_fn,
+)
+
+GRID = [
+    *[("gpipe", p, m, 1) for p, m in itertools.product((1, 2, 4), (1, 3, 4, 8, 16))],
+    *[("1f1b", p, m, 1) for p, m in itertools.product((1, 2, 4), (1, 3, 4, 8, 16))],
+    *[("interleaved", p, m, v) for p, m, v in itertools.product((2, 4), (4, 8, 16), (2, 3))],
+]
+
+
+def when(schedule):
+    """(kind, microbatch, virtual stage) -> (tick, stage), read from the table."""
+    out = {}
+    p = schedule.num_stages
+    for t, row in enumerate(schedule.ticks):
+        for s, a in enumerate(row):
+            if a is not None:
+                key = (a.kind, a.microbatch, a.chunk * p + s)
+                assert key not in out, f"{key} twice"
+                out[key] = (t, s)
+    return out
+
+
+@pytest.mark.parametrize("name, p, m, v", GRID)
+def test_forward_before_backward_on_every_stage(name, p, m, v):
+    sched = make_schedule(name, p, m, v)
+    w = when(sched)
+    assert len(w) == 2 * m * p * v
+    for i, g in itertools.product(range(m), range(p * v)):
+        (tf, sf), (tb, sb) = w["F", i, g], w["B", i, g]
+        assert sf == sb == g % p
+        assert tf < tb
+
+
+@pytest.mark.parametrize("name, p, m, v", GRID)
+def test_backward_follows_next_stages_backward(name, p, m, v):
+    sched = make_schedule(name, p, m, v)
+    w = when(sched)
+    G = p * v
+    for i, g in itertools.product(range(m), range(G - 1)):
+        assert w["B", i, g][0] > w["B", i, g + 1][0]
+        assert w["F", i, g + 1][0] > w["F", i, g][0]
+
+
+@pytest.mark.parametrize("name, p, m, v", GRID)
+def test_bubble_matches_formula(name, p, m, v):
+    sched = make_schedule(name, p, m, v)
+    idle = sum(a is None for row in sched.ticks for a in row)
+    measured = idle / (len(sched.ticks) * p)
+    assert measured == pytest.approx(sched.bubble)
+    assert measured == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 4), (4, 16)])
+def test_live_microbatches_per_stage(p, m):
+    """1F1B keeps at most p stage inputs per stage (and so do its buffers); GPipe keeps m."""
+    f1b, gp = one_f_one_b(p, m), gpipe(p, m)
+    assert max(f1b.in_flight(s) for s in range(p)) == min(p, m)
+    assert all(gp.in_flight(s) == m for s in range(p))
+    assert lower(f1b).act_slots == min(p, m)
+    assert lower(gp).act_slots == m
+
+
+def test_interleaved_puts_non_adjacent_chunks_on_a_stage():
+    sched = interleaved(4, 8, 2)
+    for s in range(4):
+        chunks = {a.chunk * 4 + s for _, a in sched.program(s)}
+        assert chunks == {s, s + 4}
+
+
+def test_table_chart_lists_every_cell():
+    sched = one_f_one_b(4, 4)
+    chart = sched.table().splitlines()
+    assert chart[0].startswith("1f1b: p=4 m=4") and "bubble=0.429" in chart[0]
+    rows = chart[2:]
+    assert len(rows) == 4
+    for s, line in enumerate(rows):
+        cells = line.split()[2:]
+        assert len(cells) == sched.num_ticks
+        assert cells == [a.label(1) if a else "." for a in (row[s] for row in sched.ticks)]
+    assert "F0b" in interleaved(2, 2, 2).table()
+
+
+def test_a_table_that_breaks_the_order_is_rejected():
+    good = gpipe(2, 1).ticks  # F0 on 0, F0 on 1, B0 on 1, B0 on 0
+    assert good == ((Action("F", 0), None), (None, Action("F", 0)), (None, Action("B", 0)),
+                    (Action("B", 0), None))
+    swapped = (good[0], good[2], good[1], good[3])  # stage 1 backward before its forward
+    with pytest.raises(ValueError, match="does not follow"):
+        Schedule("bad", 2, 1, 1, swapped)
+    with pytest.raises(ValueError, match="never runs"):
+        Schedule("short", 2, 1, 1, good[:3])
+    # A hand-made valid table runs through the same checks.
+    assert Schedule("mine", 2, 1, 1, good).bubble == 0.5
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: interleaved(4, 6, 2), "divisible by the 4 stages"),
+        (lambda: interleaved(4, 8, 1), "num_chunks >= 2"),
+        (lambda: make_schedule("zigzag", 4, 8), "unknown pipeline schedule"),
+        (lambda: one_f_one_b(4, 0), "positive integer"),
+        (lambda: gpipe(0, 4), "positive integer"),
+    ],
+)
+def test_schedule_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _model(layers):
+    cfg = eqgpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=layers, num_heads=4, embed_dim=32)
+    # Abstract arrays are enough: the checks run before anything is traced or compiled.
+    return eqx.filter_eval_shape(lambda k: nn.GPT(cfg, key=k), jax.random.key(0))
+
+
+def _batch(b):
+    z = jax.ShapeDtypeStruct((b, 16), jnp.int32)
+    return {"tokens": z, "targets": z}
+
+
+def test_layers_not_divisible_by_stages_names_valid_choices():
+    fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b", 4)
+    with pytest.raises(ValueError, match=r"num_layers=6 .* pipeline size in \[1, 2, 3, 6\]"):
+        fn(_model(6), _batch(8))
+    fn = pipeline_grad_fn(make_mesh("pipeline=2,data=4"), "interleaved", 4, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"4 virtual stages .* num_layers in \[4, 8"):
+        fn(_model(6), _batch(16))
+
+
+def test_batch_not_divisible_by_microbatches():
+    fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "gpipe", 4)
+    with pytest.raises(ValueError, match="batch size 12 is not divisible by 2 data-parallel devices x 4"):
+        fn(_model(4), _batch(12))
+
+
+def test_mesh_and_schedule_must_agree():
+    with pytest.raises(ValueError, match="has 2 stages but the mesh's pipeline axis has 4"):
+        pipeline_grad_fn(make_mesh("pipeline=4,data=2"), one_f_one_b(2, 4))
+    with pytest.raises(ValueError, match="needs microbatches"):
+        pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b")
+    with pytest.raises(ValueError, match="context parallelism"):
+        pipeline_grad_fn(make_mesh("pipeline=4,context=2"), "1f1b", 4)
+    with pytest.raises(ValueError, match="divisible by the 4 stages"):
+        pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "interleaved", 6)
