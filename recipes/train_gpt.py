@@ -107,7 +107,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Parallelism (mesh, strategy) plugs in here: a `parallel` sub-config and
     # `make_placement` below are the only places that know about devices.
-    steps: int = 520
+    steps: int = 800
     """Optimizer steps."""
     batch_size: int = 32
     """Sequences per step (global)."""

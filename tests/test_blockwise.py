@@ -144,7 +144,9 @@ def test_skipped_blocks_compute_nothing():
     assert np.all(np.asarray(lse) < -1e30)
     assert all(np.all(np.asarray(x) == 0.0) for x in grads)
     # The jaxprs of the forward and backward pass branch on the block test.
-    fn = lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, mask=CausalMask(), **kw) * ct)
+    def fn(q, k, v):
+        return jnp.sum(blockwise_attention(q, k, v, mask=CausalMask(), **kw) * ct)
+
     assert "cond[" in str(jax.make_jaxpr(fn)(q, k, v))
     assert str(jax.make_jaxpr(jax.grad(fn, (0, 1, 2)))(q, k, v)).count("cond[") >= 2
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from parallel_cases import BATCH, CONFIGS, SEQ, param_bytes, reference_run, sharded_run
 
 from eqgpt import parallel as par
 from eqgpt.profile import SLICED, collective_summary, collectives, memory, report
+from parallel_cases import BATCH, CONFIGS, SEQ, param_bytes, reference_run, sharded_run
 
 FLOAT = ("f32", "bf16", "f16")
 

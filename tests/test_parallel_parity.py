@@ -9,6 +9,7 @@ atol 1e-6; see `test_k_bias_is_noise` for the one looser bound).
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+
 from parallel_cases import CONFIGS, reference_run, sharded_run
 
 CASES = [
@@ -44,7 +45,7 @@ def assert_same_training(ref, out):
 def test_strategy_trains_like_one_device(name, mesh, strategy):
     out = sharded_run(name, mesh, strategy)
     assert_same_training(reference_run(name), out)
-    placement, model = out[3], out[4]
+    model = out[4]
     # The parameters really are distributed as the strategy says.
     q = model.blocks.attn.q_proj.weight.sharding.spec
     if "fsdp" in strategy:

@@ -8,12 +8,12 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from parallel_cases import CONFIGS, OPTIONS, reference_model
 
 import eqgpt
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.profile import collectives, memory
+from parallel_cases import CONFIGS, OPTIONS, reference_model
 
 GPT_CFG = CONFIGS["gpt"]
 
@@ -169,8 +169,12 @@ def test_batches_are_global_arrays_split_over_data_and_fsdp():
     assert batch["x"].shape == (8, 32) and batch["x"].sharding.spec == P(("data", "fsdp"), "tensor")
     assert batch["lengths"].sharding.spec == P(("data", "fsdp"))
     np.testing.assert_array_equal(np.asarray(batch["x"]), tokens)
+    windows = placement.batch(np.zeros((8, 33), np.int32))  # seq + 1 tokens: sequence kept whole
+    assert windows.sharding.spec == P(("data", "fsdp"), None)
     with pytest.raises(ValueError, match="batch arrays must be"):
         placement.batch(tokens[None])
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by 4"):
+        placement.batch(tokens[:6])
 
 
 # --- guards --------------------------------------------------------------------------

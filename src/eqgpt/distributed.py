@@ -33,9 +33,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-ENV_COORDINATOR = "EQGPT_COORDINATOR"
-ENV_NUM_PROCESSES = "EQGPT_NUM_PROCESSES"
-ENV_PROCESS_ID = "EQGPT_PROCESS_ID"
+from eqgpt.launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
 # Kubernetes indexed Jobs number their pods in this variable; used when EQGPT_PROCESS_ID is unset.
 ENV_K8S_INDEX = "JOB_COMPLETION_INDEX"
 

@@ -33,7 +33,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from eqgpt.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+# The variables `eqgpt.distributed.initialize` reads (defined here so the launcher never imports JAX).
+ENV_COORDINATOR = "EQGPT_COORDINATOR"
+ENV_NUM_PROCESSES = "EQGPT_NUM_PROCESSES"
+ENV_PROCESS_ID = "EQGPT_PROCESS_ID"
 
 FAILED_RANK_BASE = 100
 TIMEOUT_EXIT_CODE = 124

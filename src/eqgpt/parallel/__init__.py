@@ -7,7 +7,17 @@ The automatic path lives here (`mesh`, `rules`, `shard`, `placement`); manual
 
 from eqgpt.parallel.mesh import AXES, MeshConfig, make_mesh, mesh_config
 from eqgpt.parallel.placement import ShardedPlacement
-from eqgpt.parallel.rules import DP, FSDP, PRESET_RULES, REPLICATED, SP, TP, AxisTable, Rules, strategy
+from eqgpt.parallel.rules import (
+    DP,
+    FSDP,
+    PRESET_RULES,
+    REPLICATED,
+    SP,
+    TP,
+    AxisTable,
+    Rules,
+    strategy,
+)
 from eqgpt.parallel.shard import (
     ShardingConstraint,
     batch_sharding,

@@ -60,9 +60,9 @@ class ShardedPlacement:
         """An existing optimizer state moved next to its parameters."""
         return shard_opt_state(opt_state, model, self.mesh, self.rules, self.overrides)
 
-    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
-        """Sharding of `[batch, seq]` (or `[batch]`) arrays."""
-        return batch_sharding(self.mesh, self.rules, ndim)
+    def batch_sharding(self, ndim: int = 2, shape: tuple[int, ...] | None = None) -> NamedSharding:
+        """Sharding of global `[batch, seq]` (or `[batch]`) arrays (see `eqgpt.parallel.batch_sharding`)."""
+        return batch_sharding(self.mesh, self.rules, ndim, shape)
 
     def batch(self, local: PyTree) -> PyTree:
         """Global `jax.Array`s from this process's rows (a `[rows, seq]` array or a pytree of them).
@@ -75,8 +75,8 @@ class ShardedPlacement:
             x = np.asarray(x)
             if x.ndim not in (1, 2):
                 raise ValueError(f"batch arrays must be [batch] or [batch, seq]; got shape {x.shape}.")
-            sharding = self.batch_sharding(x.ndim)
             global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+            sharding = self.batch_sharding(x.ndim, global_shape)
             return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
         return jax.tree.map(one, local)

@@ -312,12 +312,29 @@ def init_opt_state_sharded(
     return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
-    """Sharding of an integer batch: `[batch, seq]` (`ndim=2`) or `[batch]` (`ndim=1`)."""
+def batch_sharding(
+    mesh: Mesh, rules: Rules, ndim: int = 2, shape: tuple[int, ...] | None = None
+) -> NamedSharding:
+    """Sharding of an integer batch: `[batch, seq]` (`ndim=2`) or `[batch]` (`ndim=1`).
+
+    The batch dimension follows the `batch` activation rule (it must divide). The
+    sequence follows `seq` when `shape` is not given or its length divides; a window
+    array of `seq + 1` tokens keeps its sequence whole instead (token ids are a few
+    bytes per position, and the model's first constraint splits the activations).
+    """
     if ndim not in (1, 2):
         raise ValueError(f"batches are [batch] or [batch, seq] arrays; got ndim={ndim}.")
-    names = ("batch", "seq")[:ndim]
-    return NamedSharding(mesh, rules.spec(names, "activations", mesh=mesh))
+    spec = rules.spec(("batch", "seq")[:ndim], "activations", mesh=mesh)
+    if shape is not None:
+        sizes = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else (e or ()))) for e in spec]
+        if shape[0] % sizes[0]:
+            raise ValueError(
+                f"batch size {shape[0]} is not divisible by {sizes[0]}, the devices the batch is split over "
+                f"(mesh axes {spec[0]}); use a multiple of {sizes[0]}."
+            )
+        if ndim == 2 and shape[1] % sizes[1]:
+            spec = PartitionSpec(spec[0], None)
+    return NamedSharding(mesh, spec)
 
 
 def _spec_shards(spec: PartitionSpec, mesh: Mesh) -> int:

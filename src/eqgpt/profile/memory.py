@@ -35,7 +35,8 @@ class MemoryReport:
         return [
             ("arguments", self.argument_bytes), ("outputs", self.output_bytes),
             ("aliased (donated)", self.alias_bytes), ("temporaries", self.temp_bytes),
-            ("generated code", self.code_bytes), ("peak", self.peak_bytes), ("host", self.host_bytes),
+            ("generated code", self.code_bytes), ("peak (XLA estimate)", self.peak_bytes),
+            ("host", self.host_bytes),
         ]
 
 

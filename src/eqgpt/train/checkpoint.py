@@ -41,7 +41,6 @@ from jaxtyping import Array, PyTree, UInt32
 logger = logging.getLogger(__name__)
 
 FORMAT = "eqgpt-checkpoint/1"
-ITEMS = ("state", "config", "meta")
 
 
 class CheckpointError(ValueError):
@@ -298,7 +297,9 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # leftovers of interrupted writes
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r}, every={self.every}, keep={self.keep})"
@@ -403,7 +404,7 @@ class Checkpointer:
     def _check_config(self, step: int, saved: dict) -> None:
         problems = []
         for key in self.must_match:
-            if key in self.config or key in saved:
+            if key in self.config:  # a run that states no such section checks only the arrays
                 problems.extend(_differences(saved.get(key), self.config.get(key), f"{key}."))
         if problems:
             raise IncompatibleCheckpointError(
@@ -415,7 +416,9 @@ class Checkpointer:
     def _check_layout(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
         metadata = self._manager.item_metadata(step)["state"]
         tree = getattr(metadata, "tree", metadata)
-        saved = _unnest(tree) if tree is not None else {}
+        if not isinstance(tree, Mapping):
+            raise CorruptCheckpointError("its array metadata cannot be read")
+        saved = _unnest(tree)
         missing = sorted(set(targets) - set(saved))
         extra = sorted(set(saved) - set(targets))
         wrong = [
@@ -543,6 +546,8 @@ class Checkpointer:
 
 def _describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    for noise in (" [tensorstore_spec", " See full TensorStore details"):  # long specs say little
+        text = text.split(noise)[0]
     if len(text) > 300:
         text = text[:300] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__

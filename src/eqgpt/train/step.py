@@ -120,7 +120,7 @@ def make_train_step(
         skipped = (~finite).astype(jnp.int32)
         new_state = TrainState(model, opt_state, state.step + 1, rng=state.rng,
                                skipped=state.skipped + skipped)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "skipped": skipped, **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "skipped": skipped, **aux}
         return new_state, metrics
 
     return eqx.filter_jit(step, donate="all" if donate else "none")

@@ -113,7 +113,7 @@ def _forward(mask, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
             kj, vj, kp, kv, ks = ys
 
             def compute(carry):
-                m, l, acc = carry
+                m, denom, acc = carry
                 scores = jnp.einsum(
                     "bqgrd,bkgd->bgrqk", qi, kj, preferred_element_type=jnp.float32
                 )
@@ -123,13 +123,13 @@ def _forward(mask, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
                 m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
                 p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
-                l = l * corr + jnp.sum(p, axis=-1)
+                denom = denom * corr + jnp.sum(p, axis=-1)
                 pv = jnp.einsum(
                     "bgrqk,bkgd->bgrqd", p.astype(v.dtype), vj,
                     preferred_element_type=jnp.float32,
                 )
                 acc = acc * corr[..., None] + pv.astype(jnp.float32)
-                return m_new, l, acc
+                return m_new, denom, acc
 
             carry = jax.lax.cond(
                 mask.block_may_attend(qp, kp), compute, lambda c: c, carry
@@ -142,9 +142,9 @@ def _forward(mask, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
             jnp.zeros((b, g, r, bq), jnp.float32) + zero,
             jnp.zeros((b, g, r, bq, d), jnp.float32) + zero,
         )
-        (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kpb, kvb, ksb))
-        live = l > 0
-        safe_l = jnp.where(live, l, 1.0)
+        (m, denom, acc), _ = jax.lax.scan(step, init, (kb, vb, kpb, kvb, ksb))
+        live = denom > 0
+        safe_l = jnp.where(live, denom, 1.0)
         out = jnp.where(live[..., None], acc / safe_l[..., None], 0.0)
         lse = jnp.where(live, m + jnp.log(safe_l), _NEG)
         return out, lse

@@ -58,6 +58,7 @@ from eqgpt.parallel.pipeline.lowering import (
 from eqgpt.parallel.pipeline.schedules import Schedule, make_schedule
 from eqgpt.parallel.rules import Rules, strategy
 from eqgpt.parallel.shard import param_specs
+from eqgpt.profile.memory import memory
 
 PIPELINE = "pipeline"
 BATCH_AXES = ("data", "fsdp")
@@ -66,8 +67,8 @@ MANUAL_AXES = (PIPELINE, *BATCH_AXES)
 #: Place the layer stack over the pipeline axis (merge into a strategy: `rules + PP`).
 PP = Rules(params={"layers": PIPELINE}, name="pp")
 
-Batch = Mapping[str, Array]
-GradFn = Callable[[GPT, Batch], tuple[tuple[Float[Array, ""], dict[str, Float[Array, ""]]], PyTree]]
+Batch = Mapping[str, Array] | Array
+
 
 
 # ------------------------------------------------------------------ checks
@@ -172,9 +173,18 @@ def _with_blocks(tree, blocks):
 
 
 def _batch_fields(batch: Batch) -> dict[str, Array]:
+    """The batch as `{tokens, targets[, loss_mask, segment_ids]}`, each `[batch, seq]`.
+
+    A `[batch, seq + 1]` token array (the trainer's format) is split into inputs and
+    shifted targets.
+    """
+    if hasattr(batch, "shape") and hasattr(batch, "dtype"):
+        if len(batch.shape) != 2 or batch.shape[1] < 2:
+            raise ValueError(f"a token batch is [batch, seq + 1]; got shape {tuple(batch.shape)}.")
+        return {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
     if not isinstance(batch, Mapping) or "tokens" not in batch or "targets" not in batch:
-        raise ValueError("a pipeline batch is a mapping with 'tokens' and 'targets' "
-                         "(and optionally 'loss_mask', 'segment_ids'), each [batch, seq].")
+        raise ValueError("a pipeline batch is a [batch, seq + 1] token array, or a mapping with 'tokens' "
+                         "and 'targets' (and optionally 'loss_mask', 'segment_ids'), each [batch, seq].")
     out = {k: batch[k] for k in ("tokens", "targets", "loss_mask", "segment_ids") if batch.get(k) is not None}
     shapes = {k: tuple(v.shape) for k, v in out.items()}
     if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != 2:
@@ -185,26 +195,29 @@ def _batch_fields(batch: Batch) -> dict[str, Array]:
 # ------------------------------------------------------------------ the program
 
 
-def _gather_params(tree, axes_tree):
-    """All-gather every leaf over the data/fsdp axes its spec shards it over (once per step)."""
+def _gather_params(tree, axes_tree, lead: int = 0):
+    """All-gather every leaf over the data/fsdp axes its spec shards it over (once per step).
+
+    `lead` leading dimensions (the stage's `[chunks, layers]`) come before those `axes_tree` describes.
+    """
 
     def one(x, ba: BatchAxes):
         for dim, axes in enumerate(ba.dims):
             if axes:
-                x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+                x = jax.lax.all_gather(x, axes, axis=lead + dim, tiled=True)
         return x
 
     return jax.tree.map(one, tree, axes_tree)
 
 
-def _reduce_grads(tree, axes_tree):
+def _reduce_grads(tree, axes_tree, lead: int = 0):
     """Sum local gradients over all data-parallel devices, keeping FSDP's shards (once per step)."""
 
     def one(g, ba: BatchAxes):
         used = set()
         for dim, axes in enumerate(ba.dims):
             if axes:
-                g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+                g = jax.lax.psum_scatter(g, axes, scatter_dimension=lead + dim, tiled=True)
                 used.update(axes)
         rest = tuple(a for a in BATCH_AXES if a not in used)
         return jax.lax.psum(g, rest) if rest else g
@@ -224,7 +237,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
 
     def step(blocks, rest, batch):
         blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
-        blocks = vary(_gather_params(blocks, block_axes))
+        blocks = vary(_gather_params(blocks, block_axes, lead=2))
         rest = vary(_gather_params(rest, rest_axes))
         bl, t = batch["tokens"].shape
         mb = bl // m
@@ -308,7 +321,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         # the data-parallel devices; embedding/head gradients summed over stages.
         terms = jax.lax.psum(broadcast(terms, PIPELINE, root=p - 1), BATCH_AXES)
         g_rest = _reduce_grads(jax.lax.psum(g_rest, PIPELINE), rest_axes)
-        g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes))
+        g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes, lead=2))
         return terms, g_blocks, g_rest
 
     block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), block_axes)
@@ -379,12 +392,18 @@ class PipelineGradFn:
         return self._jitted(model, batch)
 
     def compile(self, model: GPT, batch: Batch):
-        """The compiled step (`jax.stages.Compiled`): for `memory_analysis()` and the HLO."""
-        return self._jitted.lower(model, batch).compile()
+        """The compiled step (`jax.stages.Compiled`): for `memory_analysis()` and the HLO.
+
+        `model` and `batch` may be abstract (`eqx.filter_eval_shape`, `jax.ShapeDtypeStruct`).
+        """
+        is_leaf = lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+        dynamic, static = eqx.partition(model, is_leaf)
+        step = jax.jit(lambda dyn, b: self._grad(eqx.combine(dyn, static), b))
+        return step.lower(dynamic, batch).compile()
 
     def temp_bytes(self, model: GPT, batch: Batch) -> int:
         """Per-device temporary memory of the compiled step (`memory_analysis().temp_size_in_bytes`)."""
-        return int(self.compile(model, batch).memory_analysis().temp_size_in_bytes)
+        return memory(self.compile(model, batch)).temp_bytes
 
     def report(self, model: GPT | None = None, batch: Batch | None = None) -> str:
         """The bubble of the schedule, and with `model` and `batch` the compiled temp memory."""
@@ -396,8 +415,9 @@ class PipelineGradFn:
     def _grad(self, model: GPT, batch: Batch):
         mesh, schedule = self.mesh, self.schedule
         p, v = schedule.num_stages, schedule.num_chunks
-        check_pipeline(model.config.num_layers, mesh, schedule, batch["tokens"].shape[0])
         fields = _batch_fields(batch)
+        check_pipeline(model.config.num_layers, mesh, schedule, fields["tokens"].shape[0])
+        layout = jax.tree.structure(eqx.filter(model, eqx.is_array))  # the caller's, hooks included
         # Inside the pipeline the activation hooks are identity (see the module docstring).
         model = map_constraints(model, lambda _path, _hook: NoConstraint())
         blocks, rest, static = _split_model(model)
@@ -411,6 +431,7 @@ class PipelineGradFn:
         staged = jax.tree.map(lambda a: to_stages(a, p, v), blocks)
         terms, g_blocks, g_rest = step(staged, rest, fields)
         grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
+        grads = jax.tree.unflatten(layout, jax.tree.leaves(grads))
         return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), grads
 
 

@@ -1,0 +1,92 @@
+"""`python -m eqgpt.launch`: rank-prefixed output, failure propagation, signal forwarding."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eqgpt.launch import child_env, free_port
+
+ECHO = str(Path(__file__).parent / "mp" / "echo.py")
+LAUNCH = [sys.executable, "-m", "eqgpt.launch"]
+
+
+def run(args, timeout=60):
+    return subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_prefixed_output_and_settings():
+    r = run(["--nproc", "2", "--devices-per-proc", "3", "--", ECHO, "ok"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for rank in (0, 1):
+        hello = [x for x in lines if x.startswith(f"[rank {rank}] hello from {rank} of 2 via 127.0.0.1:")]
+        assert len(hello) == 1 and hello[0].endswith("with 3 devices")
+        assert f"[rank {rank}] second line" in lines  # stderr is captured and prefixed too
+    ports = {x.split("127.0.0.1:")[1].split()[0] for x in lines if "hello" in x}
+    assert len(ports) == 1  # one coordinator for both
+
+
+def test_one_failure_stops_the_others():
+    start = time.monotonic()
+    r = run(["--nproc", "3", "--grace", "2", "--", ECHO, "fail", "1", "7"])
+    assert time.monotonic() - start < 30
+    assert r.returncode == 101, (r.returncode, r.stderr)
+    assert "rank 1 failed (exit status 7)" in r.stderr
+    assert "[rank 1] failing now" in r.stdout
+    pids = [int(x.split("pid ")[1].split()[0]) for x in r.stdout.splitlines() if "waiting" in x]
+    assert len(pids) == 2 and not any(alive(p) for p in pids)  # the others were stopped
+
+
+def test_sigterm_is_forwarded_and_status_kept():
+    proc = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", ECHO, "term"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        ready = 0
+        for line in proc.stdout:
+            ready += "READY" in line
+            if ready == 2:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, err  # every rank's own (preempted) status
+    assert out.count("got SIGTERM") == 2
+
+
+def test_bad_invocations():
+    r = run(["--nproc", "2", "--", "no_such_script.py"])
+    assert r.returncode == 2 and "not found" in r.stderr
+    r = run(["--nproc", "0", "--", ECHO, "ok"])
+    assert r.returncode == 2 and "--nproc must be at least 1" in r.stderr
+    r = run(["--nproc", "2"])
+    assert r.returncode == 2 and "nothing to run" in r.stderr
+
+
+def test_child_env_and_free_port():
+    env = child_env(1, 4, 1234, 2, "cpu", base={"PATH": "/bin"})
+    assert env["EQGPT_COORDINATOR"] == "127.0.0.1:1234" and env["EQGPT_NUM_PROCESSES"] == "4"
+    assert env["EQGPT_PROCESS_ID"] == "1" and env["JAX_NUM_CPU_DEVICES"] == "2" and env["JAX_PLATFORMS"] == "cpu"
+    assert child_env(1, 4, 1234, 2, "gpu", base={})["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert 0 < free_port() < 65536
+
+
+@pytest.mark.parametrize("timeout", [1])
+def test_job_timeout(timeout):
+    r = run(["--nproc", "2", "--timeout", str(timeout), "--", ECHO, "fail", "5", "0"])
+    assert r.returncode == 124 and "--timeout" in r.stderr

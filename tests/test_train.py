@@ -1,0 +1,137 @@
+"""Training: loss goes down, accumulation == big batch, the non-finite guard, decay mask, FLOPs."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import TINY, assert_trees_close
+
+from eqgpt.data import BatchLoader
+from eqgpt.nn import GPT
+from eqgpt.profile.flops import flops_per_token, matmul_params
+from eqgpt.train import (
+    Policy,
+    SingleDevice,
+    TrainState,
+    decay_mask,
+    load_model,
+    make_optimizer,
+    make_schedule,
+    make_train_step,
+    save_model,
+)
+
+
+def init(optimizer, config=TINY, seed=0):
+    placement = SingleDevice()
+    model = placement.init_model(lambda k: GPT(config, key=k), jax.random.key(seed))
+    return TrainState(model, placement.init_opt_state(optimizer, model), rng=jax.random.key(1))
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, eqx.filter(tree, eqx.is_array))
+
+
+def test_loss_goes_down_over_30_steps():
+    opt = make_optimizer(make_schedule(3e-3, total_steps=30, warmup_steps=3))
+    state = init(opt)
+    pattern = np.tile(np.arange(17) % 13, 64)  # a learnable periodic sequence
+    loader = BatchLoader(pattern.astype(np.uint16), batch_size=8, seq_len=32, seed=0)
+    step = make_train_step(opt)
+    losses = []
+    for s in range(30):
+        state, m = step(state, SingleDevice().batch(loader.local_batch(s)))
+        losses.append(float(m["loss"]))
+    assert int(state.step) == 30 and int(state.skipped) == 0
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_accumulation_equals_one_big_batch():
+    opt = make_optimizer(1e-2, weight_decay=0.1)
+    batch = jax.random.randint(jax.random.key(5), (8, 33), 0, TINY.vocab_size)
+    big, micro = init(opt), init(opt)
+    one = make_train_step(opt, accum_steps=1)
+    four = make_train_step(opt, accum_steps=4)
+    for _ in range(3):
+        big, mb = one(big, batch)
+        micro, mm = four(micro, batch)
+        np.testing.assert_allclose(float(mb["loss"]), float(mm["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(float(mb["grad_norm"]), float(mm["grad_norm"]), rtol=1e-5)
+    assert_trees_close(big.model, micro.model, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="divisible by accum_steps"):
+        make_train_step(opt, accum_steps=3)(micro, batch)
+
+
+def test_nonfinite_guard_skips_update_and_counts():
+    opt = make_optimizer(1e-2)
+    state = init(opt)
+    batch = jax.random.randint(jax.random.key(5), (4, 33), 0, TINY.vocab_size)
+    step = make_train_step(opt)
+    state, _ = step(state, batch)  # one good step so the optimizer state is non-trivial
+    # Poison one weight: the loss and the gradients become NaN.
+    poisoned = eqx.tree_at(lambda m: m.norm.weight, state.model, state.model.norm.weight.at[0].set(jnp.nan))
+    state = TrainState(poisoned, state.opt_state, state.step, rng=state.rng, skipped=state.skipped)
+    before = host(state)
+    state, m = step(state, batch)
+    assert int(m["skipped"]) == 1 and int(state.skipped) == 1 and int(state.step) == 2
+    after = host(state)
+    for name in ("model", "opt_state"):
+        for x, y in zip(jax.tree.leaves(getattr(before, name)), jax.tree.leaves(getattr(after, name)), strict=True):
+            np.testing.assert_array_equal(x, y)  # bit-identical (NaN where it was NaN)
+
+
+def test_decay_mask_from_module_structure():
+    model = GPT(TINY.replace(tie_embeddings=False), key=jax.random.key(0))
+    mask = decay_mask(eqx.filter(model, eqx.is_array))
+    assert mask.blocks.attn.q_proj.weight is True and mask.blocks.mlp.down.weight is True
+    assert mask.head.weight is True
+    assert mask.blocks.attn.q_proj.bias is False and mask.blocks.attn_norm.weight is False
+    assert mask.tok_embed.weight is False and mask.pos_embed.weight is False and mask.norm.bias is False
+    everything = decay_mask(model, embeddings=True, norms_and_biases=True)
+    assert all(jax.tree.leaves(everything))
+    # The mask fits the optimizer: weight decay alone moves only decayed arrays.
+    opt = make_optimizer(1.0, weight_decay=0.5, clip_norm=None)
+    params = eqx.filter(model, eqx.is_array)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zero, opt.init(params), params)
+    moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
+    assert jax.tree.leaves(moved) == jax.tree.leaves(mask)
+
+
+def test_schedule_and_bad_settings():
+    s = make_schedule(1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert float(s(0)) == 0.0 and float(s(10)) == pytest.approx(1.0) and float(s(100)) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        make_schedule(1.0, total_steps=10, warmup_steps=10)
+    with pytest.raises(ValueError, match="accum_steps"):
+        make_train_step(optax.sgd(1.0), accum_steps=0)
+    with pytest.raises(ValueError, match="choose"):
+        Policy(compute_dtype="int8")
+
+
+def test_bf16_policy_keeps_fp32_params_and_grads():
+    opt = make_optimizer(1e-3)
+    state = init(opt)
+    batch = jax.random.randint(jax.random.key(5), (4, 33), 0, TINY.vocab_size)
+    state, m = make_train_step(opt, policy=Policy.named("bf16"))(state, batch)
+    assert m["loss"].dtype == jnp.float32 and np.isfinite(float(m["loss"]))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))
+    assert Policy.default("cpu").compute_dtype == "fp32" and Policy.default("gpu").compute_dtype == "bf16"
+
+
+def test_flops_formula():
+    c = TINY  # L=2, D=32, F=128, V=64, T=32
+    assert matmul_params(c) == 2 * (4 * 32 * 32 + 2 * 32 * 128) + 32 * 64
+    assert flops_per_token(c) == 6 * matmul_params(c) + 6 * 2 * 32 * 32
+
+
+def test_export_round_trip(tmp_path):
+    model = GPT(TINY, key=jax.random.key(0))
+    save_model(tmp_path, model)
+    loaded = load_model(tmp_path)
+    assert loaded.config == TINY
+    assert_trees_close(eqx.filter(model, eqx.is_array), eqx.filter(loaded, eqx.is_array), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not found"):
+        load_model(tmp_path / "nothing")
