@@ -2,8 +2,8 @@
 
 Importing it first gives JAX 8 simulated CPU devices (when no accelerator is
 asked for). `train(mesh, rules)` then does what every recipe shows: place the
-`nano` model by the rules, train a few AdamW steps on this repository's own
-source bytes, and print the losses and the compiled step's collectives and memory.
+`nano` model by the rules, train a few AdamW steps on the bytes of the standard
+library's `json` package, and print the losses and the compiled step's collectives and memory.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
+import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -32,9 +33,9 @@ BATCH, SEQ, STEPS = 8, 64, 5
 
 
 def text_batches(steps: int, batch: int, seq: int, seed: int = 0) -> list[np.ndarray]:
-    """`[batch, seq + 1]` windows of this repository's Python source, as bytes (vocab 256)."""
-    root = Path(__file__).resolve().parents[1]
-    data = np.frombuffer(b"".join(p.read_bytes() for p in sorted(root.glob("src/eqgpt/**/*.py"))), np.uint8)
+    """`[batch, seq + 1]` windows of the standard library's `json` package source, as bytes (vocab 256)."""
+    root = Path(json.__file__).parent
+    data = np.frombuffer(b"".join(p.read_bytes() for p in sorted(root.glob("*.py"))), np.uint8)
     rng = np.random.default_rng(seed)
     return [np.stack([data[s: s + seq + 1] for s in rng.integers(0, len(data) - seq - 1, batch)]).astype(np.int32)
             for _ in range(steps)]

@@ -10,7 +10,6 @@ Nothing in the model changes: the modules only name their dimensions.
 """
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
-
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("fsdp=4,tensor=2")

@@ -7,7 +7,6 @@ all-reduce of the gradients (all parameter bytes) per step.
 """
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
-
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("data=8")  # or par.make_mesh(par.MeshConfig(data=-1))

@@ -9,7 +9,6 @@ appears as "all-reduce+slice" (see docs/parallelism/fsdp.md).
 """
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
-
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("fsdp=8")

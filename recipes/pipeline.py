@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-from _parallel_demo import text_batches  # first: 8 simulated CPU devices
-
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
 import eqgpt  # noqa: E402
+from _parallel_demo import text_batches  # first: 8 simulated CPU devices
 from eqgpt import nn  # noqa: E402
 from eqgpt import parallel as par  # noqa: E402
 from eqgpt.parallel.pipeline import PP, pipeline_grad_fn  # noqa: E402

@@ -10,7 +10,6 @@ stored activations shrink by the tensor size.
 """
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
-
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("fsdp=2,tensor=4")

@@ -9,7 +9,6 @@ projection and after the MLP down projection).
 """
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
-
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("data=2,tensor=4")  # nano has 4 heads: one per tensor rank

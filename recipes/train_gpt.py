@@ -105,8 +105,17 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    # Parallelism (mesh, strategy) plugs in here: a `parallel` sub-config and
-    # `make_placement` below are the only places that know about devices.
+    # --- parallelism (eqgpt.parallel): these fields and `make_placement` are the only
+    # places that know about devices.
+    mesh: str = ""
+    """Device mesh, e.g. 'data=2,fsdp=2,tensor=2' (axes data, fsdp, pipeline, context, tensor; -1 fills); '' = one device."""
+    strategy: str = "dp"
+    """Sharding rules on --mesh: presets dp, fsdp, tp, sp joined by '+' (e.g. 'fsdp+tp'); sp implies tp."""
+    report: bool = False
+    """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
+    cpu_devices: int | None = None
+    """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
+    # --- end parallelism
     steps: int = 800
     """Optimizer steps."""
     batch_size: int = 32
@@ -135,14 +144,24 @@ class TrainConfig:
     """Show a progress bar."""
 
 
-def make_placement(cfg: TrainConfig):
-    """Where the model and the batches live: one device here."""
-    return SingleDevice()
+def make_placement(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig | None = None):
+    """Where the model and the batches live: one device, or a mesh split by `--strategy` rules."""
+    if not cfg.mesh:
+        return SingleDevice()
+    from eqgpt import parallel as par
+
+    placement = par.ShardedPlacement(par.make_mesh(cfg.mesh), cfg.strategy)
+    if model_cfg is not None:  # sizes the mesh cannot split fail here, before anything compiles
+        par.check_divisibility(model_cfg, placement.mesh, placement.rules,
+                               cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)
+    return placement
 
 
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
     t0 = time.perf_counter()
+    if cfg.cpu_devices:  # must precede the first use of a JAX backend
+        jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     model_cfg = cfg.model.build()
     if cfg.batch_size % cfg.accum_steps:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by accum_steps ({cfg.accum_steps}).")
@@ -154,7 +173,7 @@ def main(cfg: TrainConfig) -> dict:
     (out / "config.json").write_text(json.dumps(
         {"recipe": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg)}, indent=2, default=str))
 
-    placement = make_placement(cfg)
+    placement = make_placement(cfg, model_cfg)
     policy = Policy.default() if cfg.precision == "auto" else Policy.named(cfg.precision)
     schedule = make_schedule(cfg.optim.lr, total_steps=cfg.steps, warmup_steps=min(cfg.optim.warmup_steps, cfg.steps - 1),
                              min_lr_ratio=cfg.optim.min_lr_ratio)
@@ -169,6 +188,11 @@ def main(cfg: TrainConfig) -> dict:
     step_fn = make_train_step(optimizer, accum_steps=cfg.accum_steps, policy=policy)
     loader = BatchLoader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed)
     val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
+    if cfg.report:  # the compiled step as evidence: collectives and memory per device
+        from eqgpt.profile import report
+
+        compiled = step_fn.lower(state, placement.batch(loader.local_batch(0))).compile()
+        print(report(compiled, mesh=getattr(placement, "mesh", None), title=f"{cfg.strategy if cfg.mesh else 'single'}"))
 
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     n_params = sum(x.size for x in jax.tree.leaves(model) if hasattr(x, "size"))

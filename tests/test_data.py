@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from eqgpt.data import BatchLoader, ByteTokenizer, eval_windows, load_corpus, process_rows, stdlib_files
+from eqgpt.data import (
+    BatchLoader,
+    ByteTokenizer,
+    eval_windows,
+    load_corpus,
+    process_rows,
+    stdlib_files,
+)
 from eqgpt.train import SingleDevice
 
 

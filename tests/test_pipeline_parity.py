@@ -82,13 +82,18 @@ CASES = {
 
 
 def check_reductions_once_per_step(compiled, mesh, schedule):
-    """Every collective over data/fsdp runs once per call (not per microbatch); two permutes per tick."""
+    """Every collective over data/fsdp runs once per call (not per microbatch); two permutes per tick.
+
+    (With interleaving, XLA also moves the layer stack between the stored and the
+    interleaved order once per step; those permutes run once.)
+    """
     rows = collectives(compiled, mesh)
     batch_rows = [r for r in rows if r.axes and set(r.axes) & {"data", "fsdp"}]
     assert batch_rows, "expected the gradient reduction over the data-parallel axes"
     assert all(r.executions == 1 for r in batch_rows), [(r.kind, r.axes, r.executions) for r in batch_rows]
     permutes = [r for r in rows if r.kind == "collective-permute" and r.axes == ("pipeline",)]
-    assert sum(r.executions for r in permutes) == 2 * schedule.num_ticks
+    in_loop = [r.executions for r in permutes if r.executions > 1]
+    assert in_loop == [schedule.num_ticks] * 2, [(r.shapes, r.executions) for r in permutes]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -106,7 +111,6 @@ def test_pipeline_matches_single_device_over_five_steps(case, init_model, refere
         (loss, aux), grads = compiled(eqx.filter(model, eqx.is_array), make_batch(step))
         assert float(loss) == pytest.approx(ref_loss, rel=1e-5), f"step {step}"
         assert float(aux["nll"]) == pytest.approx(ref_nll, rel=1e-5)
-        print(step, float(loss), ref_loss, max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter(ref_grads, eqx.is_array)))))
         close(grads, eqx.filter(ref_grads, eqx.is_array))
         model, opt_state = apply_update(model, grads, opt_state)
         model = shard_model(model, mesh, rules)  # the compiled step's input layout

@@ -1,26 +1,34 @@
 """Sampling with the KV cache equals sampling by recomputing the whole sequence."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY
 
 from eqgpt.data import ByteTokenizer
 from eqgpt.nn import GPT
 from eqgpt.sample import generate, generate_text, sample_logits
+from helpers import TINY
 
 
 def generate_by_recompute(model, prompt, n, key, temperature, top_k):
-    seq = prompt
+    """No cache: every token reruns the model over the whole (zero-padded) sequence.
+
+    Padding to a fixed length keeps one compiled forward; causality means the
+    logits at position t see only tokens 0..t.
+    """
+    b, p = prompt.shape
+    seq = jnp.zeros((b, p + n), jnp.int32).at[:, :p].set(prompt)
+    forward = eqx.filter_jit(lambda m, s: m(s))
     for i in range(n):
-        logits = model(seq)[:, -1]
+        logits = forward(model, seq)[:, p + i - 1]
         nxt = sample_logits(logits, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
-        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+        seq = seq.at[:, p + i].set(nxt)
     return seq
 
 
-@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 5)])
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (0.8, 5)])
 def test_kv_cache_equals_full_recompute(temperature, top_k):
     # Larger init so greedy choices are decisive, not ties broken by rounding.
     model = GPT(TINY.replace(init_std=0.3), key=jax.random.key(0))

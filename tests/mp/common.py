@@ -6,9 +6,11 @@ Everything is a pure function of its arguments, so a 2-process run and a
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import eqgpt
 from eqgpt.data import BatchLoader
@@ -34,7 +36,11 @@ def setup(mesh: str, strategy: str, seed: int = 0, config: eqgpt.GPTConfig = CON
     placement = ShardedPlacement(make_mesh(mesh), strategy)
     key_model, key_state = jax.random.split(jax.random.key(seed))
     model = placement.init_model(lambda k: GPT(config, key=k), key_model)
+    # step, rng and skipped replicated on the mesh, as the step returns them (no second compile).
+    replicated = NamedSharding(placement.mesh, PartitionSpec())
     state = TrainState(model, placement.init_opt_state(OPTIMIZER, model), rng=key_state)
+    state = eqx.tree_at(lambda s: (s.step, s.rng, s.skipped), state,
+                        jax.device_put((state.step, state.rng, state.skipped), replicated))
     loader = BatchLoader(corpus(), batch_size=BATCH, seq_len=config.seq_len, seed=seed)
     return placement, state, make_train_step(OPTIMIZER), loader
 

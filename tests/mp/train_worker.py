@@ -19,10 +19,10 @@ settings = initialize(timeout=60)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from mp.common import BATCH, setup, train  # noqa: E402
 
 from eqgpt.distributed import check_replicas_agree, check_same_on_all_processes, mesh_fields  # noqa: E402
 from eqgpt.train.checkpoint import Checkpointer  # noqa: E402
+from mp.common import BATCH, setup, train  # noqa: E402
 
 STEPS = 3
 RUNS = {"dp": ("data=8", "dp"), "fsdp+tp": ("fsdp=4,tensor=2", "fsdp+tp")}

@@ -22,19 +22,19 @@ from eqgpt.profile.collectives import (
 from eqgpt.profile.memory import MemoryReport, memory, memory_table
 
 
-def report(compiled: Any, *, mesh: Any = None, title: str = "") -> str:
+def report(compiled: Any, *, mesh: Any = None, by_phase: bool = True, title: str = "") -> str:
     """The collective and memory tables of a compiled program, as text.
 
     **Arguments:** `compiled`, from `jax.jit(f).lower(...).compile()` (or equinox's
     `filter_jit` equivalent); `mesh`, to name the mesh axes of each collective;
-    `title`, a prefix for the table titles.
+    `by_phase`, forward and backward rows apart; `title`, a prefix for the table titles.
 
     **Returns:** printable text. On the CPU backend, rows marked
     "all-reduce+slice" are reduce-scatters on GPU/TPU (see `eqgpt.profile.collectives`).
     """
     prefix = f"{title}: " if title else ""
     return (
-        collective_table(compiled, mesh=mesh, title=f"{prefix}collectives per call (per device)")
+        collective_table(compiled, mesh=mesh, by_phase=by_phase, title=f"{prefix}collectives per call (per device)")
         + memory_table(compiled, title=f"{prefix}memory per device")
     )
 

@@ -426,11 +426,12 @@ class SummaryRow:
     executions: int
     bytes: int
     replica_groups: str
+    phase: str | None = None
 
 
 def collective_summary(
     rows: Sequence[Collective] | Any, *, mesh: Any = None, as_reduce_scatter: bool = False,
-    phase: str | None = None,
+    phase: str | None = None, by_phase: bool = False,
 ) -> list[SummaryRow]:
     """Total `rows` (or the collectives of a compiled program) by kind and device group.
 
@@ -441,8 +442,9 @@ def collective_summary(
     - `as_reduce_scatter`: count `"all-reduce+slice"` under `"reduce-scatter"`
       (what GPU/TPU would emit); by default it keeps its own row.
     - `phase`: only `"forward"` or `"backward"` rows, or all (`None`).
+    - `by_phase`: a separate row per phase (forward first).
 
-    **Returns:** one `SummaryRow` per (kind, mesh axes, group size), in a fixed kind order.
+    **Returns:** one `SummaryRow` per (kind, mesh axes, group size[, phase]), in a fixed order.
     """
     if not (isinstance(rows, list | tuple) and all(isinstance(r, Collective) for r in rows)):
         rows = collectives(rows, mesh)
@@ -451,16 +453,18 @@ def collective_summary(
     order = {k: i for i, k in enumerate((*KINDS, SLICED))}
 
     def key(r):
-        return (r.effective_kind if as_reduce_scatter else r.kind, r.axes or (), r.group_size)
+        p = (r.phase != "forward") if by_phase else False
+        return (p, r.effective_kind if as_reduce_scatter else r.kind, r.axes or (), r.group_size)
 
     out = []
-    for (kind, axes, group), grp in itertools.groupby(
-        sorted(rows, key=lambda r: (order[key(r)[0]], key(r)[1:])), key=key
+    for (p, kind, axes, group), grp in itertools.groupby(
+        sorted(rows, key=lambda r: (key(r)[0], order[key(r)[1]], key(r)[2:])), key=key
     ):
         grp = list(grp)
         out.append(SummaryRow(kind, axes or None, group, len(grp), sum(r.executions for r in grp),
                               sum(r.total_bytes for r in grp),
-                              "; ".join(sorted({r.replica_groups for r in grp}))))
+                              "; ".join(sorted({r.replica_groups for r in grp})),
+                              ("backward" if p else "forward") if by_phase else None))
     return out
 
 
@@ -482,18 +486,22 @@ def _human(n: int) -> str:
 
 
 def collective_table(
-    compiled: Any, *, mesh: Any = None, title: str = "collectives per call (per device)"
+    compiled: Any, *, mesh: Any = None, by_phase: bool = False,
+    title: str = "collectives per call (per device)",
 ) -> str:
     """A printable table (rich) of `collective_summary`; CPU all-reduce+slice rows are labelled.
 
-    With `mesh`, the groups are named by mesh axes; without, HLO's replica groups are shown.
+    With `mesh`, the groups are named by mesh axes; without, HLO's replica groups are
+    shown. `by_phase` splits forward and backward rows (JAX's op names say which).
     """
     from rich.console import Console
     from rich.table import Table
 
-    rows = collective_summary(compiled, mesh=mesh)
+    rows = collective_summary(compiled, mesh=mesh, by_phase=by_phase)
     table = Table(title=title)
     named = mesh is not None
+    if by_phase:
+        table.add_column("phase", no_wrap=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("mesh axes" if named else "replica groups", overflow="fold", max_width=40)
     for col in ("group", "ops", "runs", "bytes"):
@@ -501,10 +509,10 @@ def collective_table(
     for r in rows:
         kind = f"{r.kind} (reduce-scatter on GPU/TPU)" if r.kind == SLICED else r.kind
         where = ",".join(r.axes or ("?",)) if named else r.replica_groups
-        table.add_row(kind, where, str(r.group_size), str(r.ops), str(r.executions),
-                      f"{r.bytes} ({_human(r.bytes)})")
+        cells = [kind, where, str(r.group_size), str(r.ops), str(r.executions), f"{r.bytes} ({_human(r.bytes)})"]
+        table.add_row(*([r.phase] if by_phase else []), *cells)
     if not rows:
-        table.add_row("(none)", "", "", "", "", "")
+        table.add_row(*([""] if by_phase else []), "(none)", "", "", "", "", "")
     console = Console(width=160, record=True, file=_Null())
     console.print(table)
     return console.export_text()

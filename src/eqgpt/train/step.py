@@ -26,12 +26,14 @@ def batch_loss(model: PyTree, batch: Int[Array, "batch seq_plus_one"]) -> tuple[
     return lm_loss(model, batch[:, :-1], batch[:, 1:])
 
 
-def make_grad_fn(loss_fn: Callable = batch_loss, policy: Policy = Policy()) -> GradFn:
+def make_grad_fn(loss_fn: Callable = batch_loss, policy: Policy | None = None) -> GradFn:
     """`grad_fn(model, batch) -> ((loss, aux), grads)` differentiating `loss_fn`.
 
     The model is cast to `policy.compute_dtype` inside the differentiated function,
     so gradients come back in the parameter dtype; the loss is cast to fp32.
     """
+
+    policy = Policy() if policy is None else policy
 
     def loss_of(model, batch):
         loss, aux = loss_fn(policy.cast_to_compute(model), batch)
@@ -83,7 +85,7 @@ def make_train_step(
     *,
     grad_fn: GradFn | None = None,
     accum_steps: int = 1,
-    policy: Policy = Policy(),
+    policy: Policy | None = None,
     donate: bool = True,
 ) -> Callable[[TrainState, Array], tuple[TrainState, dict[str, Array]]]:
     """A compiled training step.

@@ -94,7 +94,14 @@ class _Progress:
     def __init__(self, total: int, start: int, enabled: bool):
         self.bar = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -141,12 +148,13 @@ class Trainer:
         placement,
         *,
         val_windows: np.ndarray | None = None,
-        config: TrainerConfig = TrainerConfig(),
+        config: TrainerConfig | None = None,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
         schedule: Callable | None = None,
         eval_fn: Callable | None = None,
     ):
+        config = TrainerConfig() if config is None else config
         if config.steps < 1 or config.log_every < 1:
             raise ValueError(f"steps and log_every must be positive, got {config.steps}, {config.log_every}.")
         self.step_fn, self.state, self.loader, self.placement = step_fn, state, loader, placement

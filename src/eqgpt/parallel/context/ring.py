@@ -13,7 +13,7 @@ step s = 0 .. n-1:   device i holds the k/v shard of device (i - s) mod n
 
 The receive for step `s+1` is issued before the compute of step `s`, so the two
 can overlap. A step whose whole key shard is masked out for the whole query shard
-(`Mask.block_may_attend` on the shard's positions) is skipped with `lax.cond`;
+(`shard_may_attend`, from positions) is skipped with `lax.cond`;
 inside a step, the blockwise kernel skips masked tiles the same way. Every device
 joins every `ppermute` whichever branch it takes.
 
@@ -41,6 +41,21 @@ from eqgpt.nn.mask import Mask
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
+def shard_may_attend(
+    mask: Mask, q_pos: Int[Array, " t"], k_pos: Int[Array, " s"], parts: int = 2
+) -> Array:
+    """Whether any query of the shard may attend any key of the other, from positions.
+
+    Each shard is cut into `parts` contiguous pieces (a zigzag shard is two distant
+    chunks, whose combined span would prove nothing) and `Mask.block_may_attend`
+    is asked for every pair of pieces. Lengths `parts` does not divide use one piece.
+    """
+    pq = parts if q_pos.shape[0] % parts == 0 else 1
+    pk = parts if k_pos.shape[0] % parts == 0 else 1
+    pairs = jax.vmap(jax.vmap(mask.block_may_attend, (None, 0)), (0, None))
+    return jnp.any(pairs(q_pos.reshape(pq, -1), k_pos.reshape(pk, -1)))
+
+
 def _shift(tree, axis: str):
     """Send every leaf to the next device of the ring (i -> i+1 mod n)."""
     n = jax.lax.axis_size(axis)
@@ -62,7 +77,7 @@ def _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, 
         def skip(_):
             return jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], _NEG, jnp.float32)
 
-        return jax.lax.cond(mask.block_may_attend(q_pos, kp), compute, skip, None)
+        return jax.lax.cond(shard_may_attend(mask, q_pos, kp), compute, skip, None)
 
     def step(carry, _):
         (out, lse), kv = carry
@@ -92,7 +107,7 @@ def _backward(mask, axis, scale, block_q, block_k, q, k, v, out, lse, dout, q_po
             return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(kj, jnp.float32),
                     jnp.zeros_like(vj, jnp.float32))
 
-        return jax.lax.cond(mask.block_may_attend(q_pos, kp), compute, skip, None)
+        return jax.lax.cond(shard_may_attend(mask, q_pos, kp), compute, skip, None)
 
     def accumulate(dq, kv, dkv):
         dq_s, dk_s, dv_s = partial_grads(kv)
@@ -194,4 +209,4 @@ def ring_attention_with_lse(
     return _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
 
 
-__all__ = ["ring_attention", "ring_attention_with_lse"]
+__all__ = ["ring_attention", "ring_attention_with_lse", "shard_may_attend"]

@@ -1,0 +1,185 @@
+"""Training with context parallelism: rules, the loss, and a `grad_fn` for the trainer.
+
+The model runs under the automatic partitioner with the rule set
+`context_rules(base)`: the base strategy (`dp`, `fsdp`, `tp`, or a `+` of them)
+plus the activations' `seq` and `inner_seq` over `context`. Only attention is
+manual (`ContextKernel`, a `shard_map` over `context`), and the cross-entropy,
+which each device computes on its own positions in a `shard_map` over `context`
+before one `psum` of three scalars. Every weight's gradient is then a sum over
+tokens that lie on the `data`, `fsdp` and `context` devices alike, and the
+partitioner reduces it over those axes together.
+
+The batch is put into the layout (`zigzag` or `contiguous`) once per step,
+before the embedding: tokens, targets, loss mask and segment ids are reordered,
+and the global positions of the layout go to the model (`GPT.features(...,
+positions=...)`), so RoPE, learned position embeddings and the masks see every
+token at its true position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int, PyTree
+
+from eqgpt.nn.embedding import Embedding
+from eqgpt.nn.loss import chunked_cross_entropy
+from eqgpt.parallel.context.layout import Ordering, check_layout, layout_batch
+from eqgpt.parallel.context.model import context_kernels
+from eqgpt.parallel.rules import Rules, strategy
+
+CP = Rules(activations={"seq": "context", "inner_seq": "context"}, name="cp")
+
+
+def context_rules(base: str | Rules = "dp", *, axis: str = "context") -> Rules:
+    """The rule set of a context-parallel run: `base` plus activations' `seq` over `axis`.
+
+    **Arguments:** `base`, a strategy (`"dp"`, `"fsdp"`, `"dp+fsdp+tp"`, a `Rules`);
+    `axis`, the context axis.
+
+    **Returns:** the merged `Rules`. Raises `ValueError` if `base` already splits
+    the sequence (sequence parallelism `sp` does, over `tensor`): use `tp` instead.
+    """
+    rules = strategy(base)
+    taken = [a for name in ("seq", "inner_seq") for a in rules.axes(name, "activations") if a != axis]
+    if taken:
+        raise ValueError(
+            f"rules {rules.name!r} already split the sequence over {sorted(set(taken))}; context "
+            "parallelism owns the sequence dimension. Combine it with 'tp' rather than 'sp'."
+        )
+    cp = CP if axis == "context" else Rules(activations={"seq": axis, "inner_seq": axis}, name="cp")
+    return rules.merge(cp).update(name=f"{rules.name}+cp")
+
+
+def as_lm_batch(batch: Mapping[str, Array] | Array) -> dict[str, Array]:
+    """A `[batch, seq + 1]` token array (the trainer's batches) or a mapping, as a mapping.
+
+    **Returns:** `{"tokens", "targets", ...}`; a mapping passes through (copied).
+    """
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if batch.ndim != 2 or batch.shape[1] < 2:
+        raise ValueError(f"a token batch is [batch, seq + 1]; got shape {batch.shape}.")
+    return {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
+
+
+def _head(model) -> Any:
+    return model.tok_embed if model.head is None else model.head
+
+
+def sharded_cross_entropy(
+    head: Any,
+    hidden: Float[Array, "batch seq embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    mesh: Mesh,
+    loss_mask: Float[Array, "batch seq"] | None = None,
+    axis: str = "context",
+    chunk_size: int = 128,
+    z_loss: float = 0.0,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """Mean cross-entropy of sequence-sharded hidden states, each device on its own positions.
+
+    **Arguments:** `head`, the output layer (a tied `Embedding` or a `Linear`);
+    `hidden`, `targets`, `loss_mask` with the sequence split over `axis` of `mesh`;
+    `chunk_size`, `z_loss` as `chunked_cross_entropy`.
+
+    **Returns:** `(loss, {"nll", "z_loss"})`, means over all tokens of all devices.
+    """
+    mask = jnp.ones(targets.shape, jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
+    logits_of = (lambda h: h.attend) if isinstance(head, Embedding) else (lambda h: h)
+
+    def local(head, h, y, m):
+        _, aux = chunked_cross_entropy(logits_of(head), h, y, loss_mask=m, chunk_size=chunk_size)
+        count = jnp.sum(m)  # the local means times the local count: the local sums
+        return jax.lax.psum((aux["nll"] * count, aux["z_loss"] * count, count), axis)
+
+    seq = P(None, axis)
+    nll, z, count = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(None, axis, None), seq, seq), out_specs=P(),
+        axis_names={axis},
+    )(head, hidden, targets, mask)
+    count = jnp.maximum(count, 1.0)
+    nll, z = nll / count, z / count
+    return nll + z_loss * z, {"nll": nll, "z_loss": z}
+
+
+def context_loss_fn(
+    mesh: Mesh,
+    *,
+    ordering: Ordering = "zigzag",
+    axis: str = "context",
+    chunk_size: int = 128,
+    z_loss: float = 0.0,
+) -> Callable[[PyTree, Any], tuple[Array, dict]]:
+    """`loss_fn(model, batch) -> (loss, aux)` of a GPT with context attention installed.
+
+    **Arguments:**
+
+    - `mesh`: the mesh; its `axis` splits the sequence.
+    - `ordering`: `"zigzag"` (balanced under causal masks) or `"contiguous"`.
+    - `chunk_size`, `z_loss`: as `eqgpt.nn.chunked_cross_entropy`.
+
+    **Returns:** the loss function. `batch` is a `[batch, seq + 1]` token array or
+    a mapping with `tokens`, `targets` (optional `loss_mask`, `segment_ids`), in
+    natural order; it is put into the layout here, once. Raises `ValueError` when the
+    sequence does not fit the layout or the model has no context attention.
+    """
+    size = mesh.shape[axis]
+
+    def loss_fn(model, batch):
+        lm = as_lm_batch(batch)
+        check_layout(lm["tokens"].shape[1], size, ordering)
+        if size > 1 and not context_kernels(model):
+            raise ValueError(
+                "the model has no context attention; install it with "
+                "eqgpt.parallel.context.use_context_attention(model, mesh, 'ring' | 'allgather')."
+            )
+        lm = layout_batch(lm, size, ordering)
+        hidden = model.features(lm["tokens"], positions=lm["positions"], segment_ids=lm.get("segment_ids"))
+        return sharded_cross_entropy(
+            _head(model), hidden, lm["targets"], mesh=mesh, loss_mask=lm.get("loss_mask"),
+            axis=axis, chunk_size=chunk_size, z_loss=z_loss,
+        )
+
+    return loss_fn
+
+
+def context_grad_fn(
+    mesh: Mesh,
+    *,
+    ordering: Ordering = "zigzag",
+    axis: str = "context",
+    chunk_size: int = 128,
+    z_loss: float = 0.0,
+    policy: Any = None,
+) -> Callable:
+    """`grad_fn(model, batch) -> ((loss, aux), grads)` for `eqgpt.train.make_train_step`.
+
+    **Arguments:** as `context_loss_fn`, plus `policy`, an `eqgpt.train.Policy` whose
+    `cast_to_compute` is applied to the model inside the differentiated function
+    (`None`: compute in the parameter dtype).
+
+    **Returns:** the gradient function; loss and aux in fp32, gradients in the
+    parameter dtype, already summed over `data`, `fsdp` and `context`.
+    """
+    loss_fn = context_loss_fn(mesh, ordering=ordering, axis=axis, chunk_size=chunk_size, z_loss=z_loss)
+
+    def loss_of(model, batch):
+        if policy is not None:
+            model = policy.cast_to_compute(model)
+        loss, aux = loss_fn(model, batch)
+        return loss.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), aux)
+
+    def grad_fn(model, batch):
+        return eqx.filter_value_and_grad(loss_of, has_aux=True)(model, batch)
+
+    return grad_fn
+
+
+__all__ = ["CP", "context_rules", "as_lm_batch", "sharded_cross_entropy", "context_loss_fn", "context_grad_fn"]
