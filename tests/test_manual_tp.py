@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.parallel import tensor as tp
-from eqgpt.parallel.data import manual_grad_fn, manual_loss_fn, manual_specs
+from eqgpt.parallel.data import manual_grad_fn, manual_loss_fn, manual_placement, manual_specs
 from eqgpt.parallel.shard_map import filter_shard_map, place
 from eqgpt.profile import collectives
 from parallel_cases import (
@@ -300,7 +300,7 @@ def test_a_single_block_can_be_wrapped():
         (CONFIGS["gpt"].replace(num_heads=4, embed_dim=32), 8, "blocks", "attention heads"),
         (CONFIGS["gpt"].replace(mlp_dim=36), 8, "blocks", "MLP width"),
         (CONFIGS["gpt"].replace(vocab_size=60), 8, "tok_embed", "vocabulary"),
-        (CONFIGS["llama"].replace(vocab_size=60), 4, "head", "vocabulary"),
+        (CONFIGS["llama"].replace(vocab_size=62), 4, "head", "vocabulary"),
         (CONFIGS["llama"].replace(num_heads=6, num_kv_heads=3, embed_dim=48), 2, "blocks", "kv heads"),
         (CONFIGS["llama"].replace(num_heads=12, num_kv_heads=3, embed_dim=48), 4, "blocks", "kv heads"),
     ],
@@ -327,14 +327,28 @@ def test_bad_batches_and_meshes_raise_before_compiling():
         manual_grad_fn(model, par.make_mesh("data=8"), sequence_parallel=True)
 
 
-def test_trainer_token_batches_are_accepted():
-    """The trainer's `[batch, seq + 1]` form gives the same loss as the mapping."""
-    model = reference_model("gpt")
+def test_plugs_into_the_trainer_with_its_token_batches():
+    """`manual_grad_fn` as the trainer's `grad_fn`, on a `manual_placement` (here with the
+    kv projections replicated: 4 kv heads, tensor=8), fed `[batch, seq + 1]` token arrays."""
+    from eqgpt.train.state import TrainState
+    from eqgpt.train.step import make_train_step
+
+    want = single_device("llama")[0][:2]
     mesh = par.make_mesh("tensor=8")
-    x, y = batches(1)[0]
-    tokens = np.concatenate([x, y[:, -1:]], axis=1)
-    loss_fn = manual_loss_fn(model, mesh)
-    placed = place(model, mesh, manual_specs(model, mesh))
-    tokens = jnp.asarray(tokens)
-    a = eqx.filter_jit(loss_fn).lower(placed, tokens).compile(OPTIONS)(placed, tokens)[0]
-    assert float(a) == pytest.approx(float(nn.lm_loss(model, jnp.asarray(x), jnp.asarray(y))[0]), rel=1e-6)
+    model = reference_model("llama")
+    placement = manual_placement(mesh, CONFIGS["llama"])
+    specs = par.param_specs(model, placement.rules, placement.overrides, mesh=mesh)
+    assert jax.tree.leaves(specs) == jax.tree.leaves(manual_specs(model, mesh))
+    assert placement.place_model(model).blocks.attn.k_proj.weight.sharding.spec == P(None, None, None)
+
+    # The step donates its state: give it copies, not the cached reference arrays.
+    placed = placement.place_model(jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model))
+    state = TrainState(placed, placement.init_opt_state(OPTIMIZER, placed), rng=jax.random.key(0))
+    step = make_train_step(OPTIMIZER, grad_fn=manual_grad_fn(model, mesh))
+    data = [placement.batch(np.concatenate([x, y[:, -1:]], axis=1)) for x, y in batches(2)]
+    compiled = step.lower(state, data[0]).compile(OPTIONS)
+    losses = []
+    for batch in data:
+        state, metrics = compiled(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want, rtol=1e-5)

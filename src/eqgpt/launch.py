@@ -11,10 +11,12 @@ fails, the others are stopped (SIGTERM, then SIGKILL after `--grace` seconds).
 
 Exit status:
 
-- every rank exited with the same status `s` (0 on success, or the trainer's
-  preemption status after a forwarded SIGTERM): `s`;
-- otherwise the first rank `r` to fail decides: `100 + r` (ranks above 26 give 127),
-  and the last line on stderr names the rank and its own status;
+- every rank exited with 0: 0;
+- after a forwarded SIGTERM/SIGINT, every rank exited with the same status `s`
+  (the trainer's preemption status, 75): `s`;
+- otherwise the first rank `r` to fail decides (the lowest, when several end
+  together): `100 + r` (ranks above 26 give 127), and the last line on stderr
+  names the rank and its own status;
 - `--timeout` expired: 124.
 
 SIGTERM and SIGINT sent to the launcher are forwarded to every rank (so a
@@ -191,9 +193,11 @@ def launch(
     if status == TIMEOUT_EXIT_CODE:
         sys.stderr.write(f"eqgpt.launch: the job ran past --timeout {timeout:g} s; all ranks were killed.\n")
         return status
-    if first_failure is None and len(set(codes)) == 1:
+    if all(c == 0 for c in codes):
+        return 0
+    if signals_seen and len(set(codes)) == 1:  # e.g. every rank checkpointed and exited "preempted"
         return codes[0] if codes[0] >= 0 else 128 - codes[0]
-    if first_failure is None:  # after a forwarded signal the ranks ended differently
+    if first_failure is None:  # ranks ended between two polls: the lowest failing rank is blamed
         first_failure = next((r, c) for r, c in enumerate(codes) if c != 0)
     rank, code = first_failure
     others = [f"rank {r}: {describe_status(c)}" for r, c in enumerate(codes) if r != rank]

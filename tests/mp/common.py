@@ -39,8 +39,10 @@ def setup(mesh: str, strategy: str, seed: int = 0, config: eqgpt.GPTConfig = CON
     # step, rng and skipped replicated on the mesh, as the step returns them (no second compile).
     replicated = NamedSharding(placement.mesh, PartitionSpec())
     state = TrainState(model, placement.init_opt_state(OPTIMIZER, model), rng=key_state)
+    put = lambda x: jax.device_put(np.asarray(x), replicated)  # noqa: E731 (host values: any process count)
     state = eqx.tree_at(lambda s: (s.step, s.rng, s.skipped), state,
-                        jax.device_put((state.step, state.rng, state.skipped), replicated))
+                        (put(state.step), jax.random.wrap_key_data(put(jax.random.key_data(state.rng))),
+                         put(state.skipped)))
     loader = BatchLoader(corpus(), batch_size=BATCH, seq_len=config.seq_len, seed=seed)
     return placement, state, make_train_step(OPTIMIZER), loader
 

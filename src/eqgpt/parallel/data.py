@@ -29,30 +29,40 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
+from eqgpt.config import GPTConfig
+from eqgpt.nn.axes import NoConstraint, map_constraints
 from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
+from eqgpt.parallel.placement import ShardedPlacement
+from eqgpt.parallel.rules import strategy
 from eqgpt.parallel.sequence import check_sequence_length
 from eqgpt.parallel.shard_map import filter_shard_map, is_spec
-from eqgpt.parallel.tensor import tensor_parallel, tensor_parallel_specs, vocab_parallel_loss_sums
+from eqgpt.parallel.tensor import (
+    kv_replicated,
+    tensor_parallel,
+    tensor_parallel_specs,
+    vocab_parallel_loss_sums,
+)
 
 
-def reduce_gradients(grads: PyTree[Array], axes: AxisName | PyTree, *, op: str = "sum") -> PyTree[Array]:
+def reduce_gradients(
+    grads: PyTree[Array], axes: AxisName | Sequence[AxisName], *, op: str = "sum"
+) -> PyTree[Array]:
     """All-reduce gradients over data axes in fp32, whatever their dtype; cast back after.
 
-    **Arguments:** `grads`; `axes`, one axis (tuple) for every leaf, or a pytree of
-    them matching `grads`; `op`, `"sum"` or `"mean"`.
+    **Arguments:** `grads`; `axes`, one axis name (or tuple) for every array, or a
+    list with one entry per array leaf of `grads` (in leaf order; `()` skips);
+    `op`, `"sum"` or `"mean"`.
 
     **Returns:** the reduced gradients, invariant over the axes. **Bytes per
     device:** `2 (n-1)/n` of the fp32 gradient bytes.
     """
-
-    def one(g, ax):
-        if g is None or not ax:
-            return g
-        return all_reduce(g.astype(jnp.float32), ax, op=op).astype(g.dtype)
-
-    if isinstance(axes, str | tuple):
-        return jax.tree.map(lambda g: one(g, axes), grads)
-    return jax.tree.map(one, grads, axes, is_leaf=lambda x: x is None)
+    leaves, treedef = jax.tree.flatten(grads)
+    per_leaf = [axes] * len(leaves) if isinstance(axes, str | tuple) else list(axes)
+    if len(per_leaf) != len(leaves):
+        raise ValueError(f"reduce_gradients got {len(per_leaf)} axis entries for {len(leaves)} gradients.")
+    out = [all_reduce(g.astype(jnp.float32), ax, op=op).astype(g.dtype) if ax else g
+           for g, ax in zip(leaves, per_leaf, strict=True)]
+    return jax.tree.unflatten(treedef, out)
 
 
 def _get(batch: Any, name: str, required: bool = True):
@@ -107,7 +117,8 @@ class _Plan:
                 axes = axes + (tensor_axis,)
             return axes
 
-        self.grad_axes = jax.tree.map(reduce_axes, self.array_specs, is_leaf=is_spec)
+        # One entry per array, in leaf order (spec trees are matched to models by leaf order).
+        self.grad_axes = [reduce_axes(spec) for spec in jax.tree.leaves(self.specs, is_leaf=is_spec)]
         self._cache: dict = {}
 
     def check_batch(self, batch: Any) -> dict:
@@ -136,8 +147,10 @@ class _Plan:
             params = jax.tree.map(
                 lambda p: p.astype(self.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params
             )
-        wrapped = tensor_parallel(eqx.combine(params, static), size=self.tp, axis=self.tensor_axis,
-                                  sequence_parallel=self.sp)
+        # Inside shard_map every axis is manual: drop the automatic path's activation
+        # constraints (a model placed by ShardedPlacement carries them).
+        model = map_constraints(eqx.combine(params, static), lambda _path, _hook: NoConstraint())
+        wrapped = tensor_parallel(model, size=self.tp, axis=self.tensor_axis, sequence_parallel=self.sp)
         nll, z, _ = vocab_parallel_loss_sums(
             wrapped, tokens, targets, loss_mask=loss_mask, segment_ids=batch.get("segment_ids"),
             chunk_size=self.chunk_size,
@@ -151,7 +164,9 @@ class _Plan:
 
     def local_grad(self, model, batch):
         params, static = eqx.partition(model, eqx.is_array)
-        params = jax.tree.map(lambda p, ax: to_varying(p, ax) if ax else p, params, self.grad_axes)
+        leaves, treedef = jax.tree.flatten(params)
+        params = jax.tree.unflatten(treedef, [to_varying(p, ax) if ax else p
+                                              for p, ax in zip(leaves, self.grad_axes, strict=True)])
         (loss, (nll, z)), grads = jax.value_and_grad(self.local_loss, has_aux=True)(params, static, batch)
         return self.finish(loss, nll, z), reduce_gradients(grads, self.grad_axes)
 
@@ -248,3 +263,23 @@ def manual_loss_fn(
 def manual_specs(model_like: PyTree, mesh: Mesh, *, tensor_axis: str = "tensor") -> PyTree:
     """Where `manual_grad_fn` expects the model's arrays (pass to `eqgpt.parallel.shard_map.place`)."""
     return tensor_parallel_specs(model_like, mesh, axis=tensor_axis)
+
+
+def manual_placement(mesh: Mesh, config: GPTConfig) -> ShardedPlacement:
+    """A trainer placement laying the model out as `manual_grad_fn` expects (`manual_specs`).
+
+    The automatic path's `dp+tp` rules (batch rows over `data`; heads, kv heads,
+    MLP width and vocabulary over `tensor`), with the kv projections replicated
+    when there are fewer kv heads than tensor devices. Under SP too the batch is
+    split by rows only: the manual step splits the sequence itself.
+
+    **Arguments:** `mesh`, and the model's `config`.
+
+    **Returns:** an `eqgpt.parallel.ShardedPlacement`.
+    """
+    rules = strategy("dp+tp")
+    overrides = None
+    if kv_replicated(config.kv_heads, mesh.shape["tensor"]):
+        whole_kv = rules.update(params={"kv_heads": None})
+        overrides = {"blocks.attn.k_proj": whole_kv, "blocks.attn.v_proj": whole_kv}
+    return ShardedPlacement(mesh, rules, overrides)

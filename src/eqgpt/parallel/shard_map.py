@@ -37,6 +37,24 @@ def array_specs(specs: PyTree) -> PyTree:
     return eqx.filter(specs, is_spec, is_leaf=is_spec)
 
 
+def _spec_leaves(specs: Any) -> Any:
+    """A single `PartitionSpec` (a prefix for everything), or the list of a spec tree's specs."""
+    if is_spec(specs):
+        return specs
+    return jax.tree.leaves(specs, is_leaf=is_spec)
+
+
+def _match(spec_leaves: Any, n: int, what: str) -> Any:
+    if is_spec(spec_leaves):
+        return spec_leaves
+    if len(spec_leaves) != n:
+        raise ValueError(
+            f"{what} has {len(spec_leaves)} PartitionSpecs for {n} arrays; give a spec tree with one "
+            "PartitionSpec per array (e.g. from param_specs of the same model), or one PartitionSpec."
+        )
+    return list(spec_leaves)
+
+
 def filter_shard_map(
     fn: Callable,
     *,
@@ -58,30 +76,42 @@ def filter_shard_map(
     - `check_vma`: keep JAX's varying/invariant checks on (needed for the gradients
       described in `eqgpt.parallel.collectives`).
 
+    Spec trees are matched to arrays in leaf order, so a spec tree made from one
+    instance of a model fits another whose non-array parts differ (e.g. one whose
+    activation hooks were swapped by `eqgpt.parallel.shard_model`).
+
     **Returns:** a function of the same arguments returning global arrays.
     """
     if not isinstance(in_specs, tuple):
         raise ValueError("in_specs must be a tuple with one spec (tree) per positional argument.")
-    dyn_in_specs = tuple(array_specs(s) for s in in_specs)
-    dyn_out_specs = array_specs(out_specs)
+    in_leaves = tuple(_spec_leaves(s) for s in in_specs)
+    out_leaves = _spec_leaves(out_specs)
 
     def wrapped(*args):
         if len(args) != len(in_specs):
             raise ValueError(f"filter_shard_map got {len(args)} arguments but {len(in_specs)} in_specs.")
         dynamic, static = eqx.partition(args, eqx.is_array)
-        out_static = []
+        flat = [jax.tree.flatten(d) for d in dynamic]
+        specs = tuple(_match(s, len(leaves), f"in_specs[{i}]")
+                      for i, (s, (leaves, _)) in enumerate(zip(in_leaves, flat, strict=True)))
+        out_structure = []
 
-        def inner(*dyn):
-            out = fn(*eqx.combine(tuple(dyn), static))
-            out_dyn, out_stat = eqx.partition(out, eqx.is_array)
-            out_static.append(out_stat)
-            return out_dyn
+        def inner(*leaves):
+            dyn = tuple(jax.tree.unflatten(tdef, lv) for lv, (_, tdef) in zip(leaves, flat, strict=True))
+            out = fn(*eqx.combine(dyn, static))
+            out_dyn, out_static = eqx.partition(out, eqx.is_array)
+            out_flat, out_def = jax.tree.flatten(out_dyn)
+            _match(out_leaves, len(out_flat), "out_specs")
+            out_structure.append((out_def, out_static))
+            return out_flat
 
         mapped = jax.shard_map(
-            inner, mesh=mesh, in_specs=dyn_in_specs, out_specs=dyn_out_specs, check_vma=check_vma
+            inner, mesh=mesh, in_specs=specs,
+            out_specs=out_leaves if is_spec(out_leaves) else list(out_leaves), check_vma=check_vma,
         )
-        out_dyn = mapped(*dynamic)
-        return eqx.combine(out_dyn, out_static[0])
+        out_flat = mapped(*(leaves for leaves, _ in flat))
+        out_def, out_static = out_structure[-1]
+        return eqx.combine(jax.tree.unflatten(out_def, out_flat), out_static)
 
     return wrapped
 

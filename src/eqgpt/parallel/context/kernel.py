@@ -13,6 +13,7 @@ with context parallelism without any code here knowing about them.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import equinox as eqx
@@ -38,6 +39,9 @@ class ContextKernel(eqx.Module):
       gathered once; see `docs/parallelism/context.md` for which to choose).
     - `axis`: the mesh axis the sequence is split over.
     - `block_q`, `block_k`: tile sizes of the blockwise kernel on each device.
+    - `q_chunks`: ring only: query chunks per shard and ring step (see `ring_attention`);
+      `None` picks the largest of 4, 2, 1 that divides the shard into chunks of at
+      least `block_q` rows.
     """
 
     mesh: Mesh = eqx.field(static=True)
@@ -45,9 +49,10 @@ class ContextKernel(eqx.Module):
     axis: str = eqx.field(static=True)
     block_q: int = eqx.field(static=True)
     block_k: int = eqx.field(static=True)
+    q_chunks: int | None = eqx.field(static=True)
 
     def __init__(self, mesh: Mesh, impl: Impl = "ring", *, axis: str = "context",
-                 block_q: int = 128, block_k: int = 128):
+                 block_q: int = 128, block_k: int = 128, q_chunks: int | None = None):
         if impl not in IMPLS:
             raise ValueError(f"unknown context attention {impl!r}; choose one of {IMPLS}.")
         if axis not in mesh.shape:
@@ -55,12 +60,22 @@ class ContextKernel(eqx.Module):
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}.")
         self.mesh, self.impl, self.axis = mesh, impl, axis
-        self.block_q, self.block_k = block_q, block_k
+        if q_chunks is not None and q_chunks < 1:
+            raise ValueError(f"q_chunks must be >= 1 (or None: automatic), got {q_chunks}.")
+        self.block_q, self.block_k, self.q_chunks = block_q, block_k, q_chunks
 
     @property
     def size(self) -> int:
         """Devices on the context axis."""
         return self.mesh.shape[self.axis]
+
+    def chunks_for(self, shard: int) -> int:
+        """The query chunks per ring step for a local shard of `shard` tokens."""
+        if self.q_chunks is not None:
+            if shard % self.q_chunks:
+                raise ValueError(f"q_chunks={self.q_chunks} must divide the local shard of {shard} tokens.")
+            return self.q_chunks
+        return next(c for c in (4, 2, 1) if shard % c == 0 and (shard // c >= self.block_q or c == 1))
 
     def __call__(
         self,
@@ -93,8 +108,11 @@ class ContextKernel(eqx.Module):
             )
         if (q_seg is None) != (k_seg is None):
             raise ValueError("Pass both q_seg and k_seg, or neither.")
-        fn = ring_attention if self.impl == "ring" else allgather_attention
         kw = dict(mask=mask, scale=scale, axis=self.axis, block_q=self.block_q, block_k=self.block_k)
+        if self.impl == "ring":
+            fn = partial(ring_attention, q_chunks=self.chunks_for(t // n))
+        else:
+            fn = allgather_attention
         seq, tok = P(None, self.axis), P(self.axis)
         if q_seg is None:
             def local(q, k, v, qp, kp):

@@ -109,12 +109,9 @@ def layout_batch(
     return out
 
 
-def shard_positions(positions: Int[Array, " seq"], size: int) -> Int[Array, "size shard"]:
-    """Split laid-out positions into the `[size, seq/size]` rows the devices hold."""
-    return positions.reshape(size, -1)
 
 
 __all__ = [
     "ORDERINGS", "Ordering", "check_layout", "layout_positions", "device_positions",
-    "to_layout", "from_layout", "layout_batch", "shard_positions", "BATCH_KEYS",
+    "to_layout", "from_layout", "layout_batch", "BATCH_KEYS",
 ]

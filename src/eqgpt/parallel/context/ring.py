@@ -63,91 +63,124 @@ def _shift(tree, axis: str):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
-def _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg):
-    n = jax.lax.axis_size(axis)
-    kw = dict(mask=mask, q_pos=q_pos, q_seg=q_seg, scale=scale, block_q=block_q, block_k=block_k)
+def _slicer(i, size):
+    """Slice `size` rows starting at chunk `i` along an axis (None passes through)."""
 
-    def partial_attention(kv):
+    def sl(x, axis=1):
+        return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * size, size, axis)
+
+    return sl
+
+
+def _forward(mask, axis, scale, block_q, block_k, chunks, q, k, v, q_pos, k_pos, q_seg, k_seg):
+    n = jax.lax.axis_size(axis)
+    size = q.shape[1] // chunks
+    kw = dict(mask=mask, scale=scale, block_q=block_q, block_k=block_k)
+
+    def attend(acc, kv):
+        """Merge the attention of every query chunk over the visiting shard `kv` into `acc`."""
         kj, vj, kp, ks = kv
 
-        def compute(_):
-            o, lse = blockwise_forward(q, kj, vj, k_pos=kp, k_seg=ks, **kw)
-            return o.astype(jnp.float32), lse
+        def chunk(i, acc):
+            out, lse = acc
+            sl = _slicer(i, size)
+            qi, qp, qs, out_i, lse_i = sl(q), sl(q_pos, 0), sl(q_seg), sl(out), sl(lse)
 
-        def skip(_):
-            return jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], _NEG, jnp.float32)
+            def compute(_):
+                o, l = blockwise_forward(qi, kj, vj, q_pos=qp, k_pos=kp, q_seg=qs, k_seg=ks, **kw)
+                return merge_partials(out_i, lse_i, o.astype(jnp.float32), l)
 
-        return jax.lax.cond(shard_may_attend(mask, q_pos, kp), compute, skip, None)
+            out_i, lse_i = jax.lax.cond(
+                shard_may_attend(mask, qp, kp), compute, lambda _: (out_i, lse_i), None
+            )
+            return (jax.lax.dynamic_update_slice_in_dim(out, out_i, i * size, 1),
+                    jax.lax.dynamic_update_slice_in_dim(lse, lse_i, i * size, 1))
+
+        return jax.lax.fori_loop(0, chunks, chunk, acc)
 
     def step(carry, _):
-        (out, lse), kv = carry
+        acc, kv = carry
         incoming = _shift(kv, axis)  # independent of this step's compute: may overlap
-        out, lse = merge_partials(out, lse, *partial_attention(kv))
-        return ((out, lse), incoming), None
+        return (attend(acc, kv), incoming), None
 
-    init = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], _NEG, jnp.float32))
+    acc = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], _NEG, jnp.float32))
     kv = (k, v, k_pos, k_seg)
-    ((out, lse), kv), _ = jax.lax.scan(step, (init, kv), None, length=n - 1)
-    out, lse = merge_partials(out, lse, *partial_attention(kv))
+    (acc, kv), _ = jax.lax.scan(step, (acc, kv), None, length=n - 1)
+    out, lse = attend(acc, kv)
     return out.astype(q.dtype), lse
 
 
-def _backward(mask, axis, scale, block_q, block_k, q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg):
+def _backward(mask, axis, scale, block_q, block_k, chunks, q, k, v, out, lse, dout,
+              q_pos, k_pos, q_seg, k_seg):
     n = jax.lax.axis_size(axis)
-    kw = dict(mask=mask, q_pos=q_pos, q_seg=q_seg, scale=scale, block_q=block_q, block_k=block_k)
+    size = q.shape[1] // chunks
+    kw = dict(mask=mask, scale=scale, block_q=block_q, block_k=block_k)
 
-    def partial_grads(kv):
+    def accumulate(grads, kv):
+        """Add every query chunk's gradients against the visiting shard `kv` to `grads`."""
         kj, vj, kp, ks = kv
 
-        def compute(_):
-            dq, dk, dv = blockwise_backward(q, kj, vj, out, lse, dout, k_pos=kp, k_seg=ks, **kw)
-            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+        def chunk(i, grads):
+            dq, dk, dv = grads
+            sl = _slicer(i, size)
+            qi, qp, qs, dq_i = sl(q), sl(q_pos, 0), sl(q_seg), sl(dq)
 
-        def skip(_):
-            return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(kj, jnp.float32),
-                    jnp.zeros_like(vj, jnp.float32))
+            def compute(_):
+                g_q, g_k, g_v = blockwise_backward(
+                    qi, kj, vj, sl(out), sl(lse), sl(dout), q_pos=qp, k_pos=kp, q_seg=qs, k_seg=ks, **kw
+                )
+                f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+                return dq_i + f32(g_q), dk + f32(g_k), dv + f32(g_v)
 
-        return jax.lax.cond(shard_may_attend(mask, q_pos, kp), compute, skip, None)
+            dq_i, dk, dv = jax.lax.cond(
+                shard_may_attend(mask, qp, kp), compute, lambda _: (dq_i, dk, dv), None
+            )
+            return jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * size, 1), dk, dv
 
-    def accumulate(dq, kv, dkv):
-        dq_s, dk_s, dv_s = partial_grads(kv)
-        return dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
+        return jax.lax.fori_loop(0, chunks, chunk, grads)
 
     def step(carry, _):
         dq, kv, dkv = carry
         incoming = _shift(kv, axis)
-        dq, dkv = accumulate(dq, kv, dkv)
-        return (dq, incoming, _shift(dkv, axis)), None
+        dq, *dkv = accumulate((dq, *dkv), kv)
+        return (dq, incoming, _shift(tuple(dkv), axis)), None
 
     dq = jnp.zeros_like(q, jnp.float32)
     dkv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     kv = (k, v, k_pos, k_seg)
     (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), None, length=n - 1)
-    dq, dkv = accumulate(dq, kv, dkv)
+    dq, *dkv = accumulate((dq, *dkv), kv)
     # Device i now holds the gradients of the shard of device i+1: one last hop home.
-    dk, dv = _shift(dkv, axis)
+    dk, dv = _shift(tuple(dkv), axis)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _ring(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg):
-    return _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _ring(mask, axis, scale, block_q, block_k, chunks, q, k, v, q_pos, k_pos, q_seg, k_seg):
+    return _forward(mask, axis, scale, block_q, block_k, chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)[0]
 
 
-def _ring_fwd(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg):
-    out, lse = _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
+def _ring_fwd(mask, axis, scale, block_q, block_k, chunks, q, k, v, q_pos, k_pos, q_seg, k_seg):
+    out, lse = _forward(mask, axis, scale, block_q, block_k, chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
     return out, (q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
 
 
-def _ring_bwd(mask, axis, scale, block_q, block_k, res, dout):
+def _ring_bwd(mask, axis, scale, block_q, block_k, chunks, res, dout):
     q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = res
     dq, dk, dv = _backward(
-        mask, axis, scale, block_q, block_k, q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg
+        mask, axis, scale, block_q, block_k, chunks, q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg
     )
     return dq, dk, dv, None, None, None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _check_chunks(length: int, chunks: int) -> None:
+    if chunks < 1 or length % chunks:
+        raise ValueError(
+            f"q_chunks={chunks} must be a positive divisor of the local shard length {length}."
+        )
 
 
 def ring_attention(
@@ -164,6 +197,7 @@ def ring_attention(
     axis: str = "context",
     block_q: int = 128,
     block_k: int = 128,
+    q_chunks: int = 1,
 ) -> Float[Array, "b t h d"]:
     """Exact attention of this device's queries over the keys of every device on `axis`.
 
@@ -179,11 +213,15 @@ def ring_attention(
     - `scale`: score scale (default `head_dim ** -0.5`).
     - `axis`: the mesh axis of the ring.
     - `block_q`, `block_k`: tile sizes of the blockwise kernel run at each step.
+    - `q_chunks`: the local queries are processed in this many chunks per ring step
+      (must divide the shard length), so the blockwise kernel's temporaries are
+      chunk-sized; chunks that the visiting shard cannot reach are skipped.
 
     **Returns:** the local shard of the attention output, typed like `q`.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _ring(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
+    _check_chunks(q.shape[1], q_chunks)
+    return _ring(mask, axis, scale, block_q, block_k, q_chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
 
 
 def ring_attention_with_lse(
@@ -200,13 +238,15 @@ def ring_attention_with_lse(
     axis: str = "context",
     block_q: int = 128,
     block_k: int = 128,
+    q_chunks: int = 1,
 ) -> tuple[Float[Array, "b t h d"], Float[Array, "b t h"]]:
     """The ring forward pass only: output and fp32 log-sum-exp (not differentiable).
 
     **Arguments:** as `ring_attention`. **Returns:** `(out, lse)` of the local queries.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _forward(mask, axis, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
+    _check_chunks(q.shape[1], q_chunks)
+    return _forward(mask, axis, scale, block_q, block_k, q_chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
 
 
 __all__ = ["ring_attention", "ring_attention_with_lse", "shard_may_attend"]

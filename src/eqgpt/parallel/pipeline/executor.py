@@ -14,6 +14,11 @@ of a `jax.lax.switch`:
   the gradient that arrived from the next stage (or the loss on the last virtual
   stage); accumulate the parameter gradients and send the input gradient back.
 
+Whether a virtual stage is the first (embedding) or the last (norm, head, loss)
+is a traced flag tested with `lax.cond` inside the branch, so the program has
+three branches whatever the schedule. The loss is added only on the last
+virtual stage and broadcast from it once, after the loop.
+
 After the branch, two `ppermute`s move the outgoing activation one stage forward
 and the outgoing gradient one stage back (around the ring when stages hold
 several chunks); the receiver stores each in the slot the lowering chose.
@@ -30,7 +35,7 @@ Megatron all-reduces.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +43,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array
 
 from eqgpt.nn.axes import NoConstraint, map_constraints
 from eqgpt.nn.gpt import GPT
@@ -52,7 +57,6 @@ from eqgpt.parallel.pipeline.lowering import (
     GRAD_WRITE,
     MICROBATCH,
     OP,
-    Branch,
     lower,
 )
 from eqgpt.parallel.pipeline.schedules import Schedule, make_schedule
@@ -249,48 +253,45 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         d = rest.tok_embed.weight.shape[-1]
         stage = jax.lax.axis_index(PIPELINE)
 
-        def run(chunk, rest_p, x, data, br: Branch):
-            """The virtual stage's function: (input | tokens) -> (output | loss terms)."""
-            model = _stage_model(rest_p, chunk, static)
-            seg = data.get("segment_ids")
-            if br.first:
-                x = model.embed(data["tokens"], positions)
-            h = model.run_blocks(x, positions, seg)
-            if not br.last:
-                return h, vary(jnp.zeros((3,), jnp.float32))
-            loss, aux = chunked_cross_entropy(
-                model.logits, model.norm(h), data["targets"], loss_mask=data.get("loss_mask"),
-                chunk_size=chunk_size, z_loss=z_loss,
-            )
-            lm = data.get("loss_mask")
-            count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(mb * t)
-            w = jnp.maximum(count, 1.0) / total
-            return jnp.zeros_like(h), w * jnp.stack([loss, aux["nll"], aux["z_loss"]])
-
         zeros_act = jnp.zeros((mb, t, d), jnp.float32)
-        zero_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), blocks)
-        zero_rest = jax.tree.map(jnp.zeros_like, rest)
+        no_terms = jnp.zeros((3,), jnp.float32)
 
-        def idle(chunk, rest_p, x, dy, data):
-            return vary((zeros_act, zeros_act, zero_chunk, zero_rest, jnp.zeros((3,), jnp.float32)))
+        def run(chunk, rest_p, x, data, first, last):
+            """One virtual stage: (input, or tokens if `first`) -> (output, loss terms if `last`)."""
+            model = _stage_model(rest_p, chunk, static)
+            x = jax.lax.cond(first, lambda: model.embed(data["tokens"], positions).astype(x.dtype), lambda: x)
+            h = model.run_blocks(x, positions, data.get("segment_ids"))
 
-        def make_branch(br: Branch):
-            if br.kind == "F":
-                def forward(chunk, rest_p, x, dy, data):
-                    y, terms = run(chunk, rest_p, x, data, br)
-                    return vary((y.astype(jnp.float32), zeros_act, zero_chunk, zero_rest, terms))
-                return forward
+            def loss_terms(h):
+                loss, aux = chunked_cross_entropy(
+                    model.logits, model.norm(h), data["targets"], loss_mask=data.get("loss_mask"),
+                    chunk_size=chunk_size, z_loss=z_loss,
+                )
+                lm = data.get("loss_mask")
+                count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(mb * t)
+                return jnp.maximum(count, 1.0) / total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
 
-            def backward(chunk, rest_p, x, dy, data):
-                (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, br), chunk, rest_p, x)
-                cot_y = jnp.zeros_like(y) if br.last else dy.astype(y.dtype)
-                cot_terms = jnp.zeros_like(terms).at[0].set(1.0) if br.last else jnp.zeros_like(terms)
-                d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
-                dx = zeros_act if br.first else dx.astype(jnp.float32)
-                return vary((zeros_act, dx, d_chunk, d_rest, jnp.zeros((3,), jnp.float32)))
-            return backward
+            return h, jax.lax.cond(last, loss_terms, lambda h: vary(no_terms), h)
 
-        branches = [idle] + [make_branch(b) for b in lowered.branches]
+        def idle(chunk, rest_p, x, dy, data, first, last):
+            zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
+            return vary((zeros_act, zeros_act, *zeros, no_terms))
+
+        def forward(chunk, rest_p, x, dy, data, first, last):
+            y, terms = run(chunk, rest_p, x, data, first, last)
+            zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
+            return vary((y.astype(jnp.float32), zeros_act, *zeros, terms))
+
+        def backward(chunk, rest_p, x, dy, data, first, last):
+            # Recompute the stage from its saved input, then pull back: the gradient that
+            # came from the next stage, or d(loss) = 1 on the last virtual stage.
+            (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last), chunk, rest_p, x)
+            cot_y = jnp.where(last, 0.0, dy).astype(y.dtype)
+            cot_terms = jnp.where(last, jnp.array([1.0, 0.0, 0.0]), 0.0)
+            d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
+            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(jnp.float32), d_chunk, d_rest, no_terms))
+
+        branches = [idle, forward, backward]
 
         def tick(carry, row_all):
             acts, grads_in, g_blocks, g_rest, terms = carry
@@ -299,8 +300,9 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             chunk = jax.tree.map(lambda a: a[c], blocks)
             data = jax.tree.map(lambda a: a[row[MICROBATCH]], micro)
             x, dy = acts[row[ACT_READ]], grads_in[row[GRAD_READ]]
+            g = c * p + stage  # the virtual stage
             send_f, send_b, d_chunk, d_rest, d_terms = jax.lax.switch(
-                row[OP], branches, chunk, rest, x, dy, data
+                row[OP], branches, chunk, rest, x, dy, data, g == 0, g == p * v - 1
             )
             g_blocks = jax.tree.map(lambda g, u: g.at[c].add(u), g_blocks, d_chunk)
             g_rest = jax.tree.map(jnp.add, g_rest, d_rest)

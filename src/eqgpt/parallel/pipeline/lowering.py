@@ -16,30 +16,20 @@ import numpy as np
 
 from eqgpt.parallel.pipeline.schedules import Schedule
 
-# Instruction columns.
+# Instruction columns, and the op codes of column OP.
 OP, MICROBATCH, CHUNK, ACT_READ, GRAD_READ, ACT_WRITE, GRAD_WRITE = range(7)
-IDLE = 0
-
-
-@dataclass(frozen=True)
-class Branch:
-    """What an op code runs: a forward or backward, on the first / last virtual stage or not."""
-
-    kind: str
-    first: bool
-    last: bool
+IDLE, FORWARD, BACKWARD = range(3)
 
 
 @dataclass(frozen=True)
 class Lowered:
-    """Instructions `[ticks, stages, 7]` (columns above) and the branch of each op code.
+    """Instructions `[ticks, stages, 7]` (columns above) and the two buffer sizes.
 
-    `branches[k - 1]` is op code `k` (0 idles). A write slot equal to the buffer
-    size means "nothing arrives" (the executor writes with `mode="drop"`).
+    A write slot equal to the buffer size means "nothing arrives" (the executor
+    writes with `mode="drop"`); reads of unused slots are never looked at.
     """
 
     instructions: np.ndarray
-    branches: tuple[Branch, ...]
     act_slots: int
     grad_slots: int
 
@@ -56,7 +46,6 @@ def lower(schedule: Schedule) -> Lowered:
     p, G = schedule.num_stages, schedule.num_virtual_stages
     T = schedule.num_ticks
     ins = np.zeros((T, p, 7), np.int32)
-    branches: list[Branch] = []
     act_of: list[dict] = [{} for _ in range(p)]
     grad_of: list[dict] = [{} for _ in range(p)]
     act_free: list[list[int]] = [[] for _ in range(p)]
@@ -71,10 +60,7 @@ def lower(schedule: Schedule) -> Lowered:
             if a is None:
                 continue
             g = a.chunk * p + s
-            br = Branch(a.kind, g == 0, g == G - 1)
-            if br not in branches:
-                branches.append(br)
-            ins[t, s, :3] = (branches.index(br) + 1, a.microbatch, a.chunk)
+            ins[t, s, :3] = (FORWARD if a.kind == "F" else BACKWARD, a.microbatch, a.chunk)
             key = (a.microbatch, g)
             if g:
                 ins[t, s, ACT_READ] = act_of[s][key]
@@ -104,4 +90,4 @@ def lower(schedule: Schedule) -> Lowered:
     ins[:, :, GRAD_WRITE] = grad_slots
     for t, s, col, slot in writes:
         ins[t, s, col] = slot
-    return Lowered(ins, tuple(branches), act_slots, grad_slots)
+    return Lowered(ins, act_slots, grad_slots)

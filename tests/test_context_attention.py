@@ -1,0 +1,205 @@
+"""Ring and all-gather attention equal the single-device reference; work balance; memory.
+
+Kernel programs are compiled once per (devices, kernel, mask class) and run for
+both orderings and for inputs with and without documents: the layout only
+changes data (positions and the order of tokens), not the program.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from eqgpt.nn.kernels.blockwise import blockwise_attention
+from eqgpt.nn.kernels.reference import reference_attention
+from eqgpt.nn.mask import CausalMask, SlidingWindowMask
+from eqgpt.parallel import make_mesh
+from eqgpt.parallel.context import (
+    ContextKernel,
+    block_counts,
+    from_layout,
+    layout_positions,
+    ring_attention,
+    step_counts,
+    to_layout,
+)
+from eqgpt.profile.memory import memory
+
+OPTIONS = {"xla_backend_optimization_level": 0}  # LLVM effort only; same HLO, faster compiles
+MESHES = {4: "context=4,data=2", 8: "context=8"}
+B, T, H, G, D = 2, 64, 4, 2, 8  # GQA: 4 query heads share 2 kv heads
+BLOCK = 4
+MASKS = {"causal": CausalMask(), "sliding": SlidingWindowMask(11)}
+TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+def _inputs():
+    kq, kk, kv, kc = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (B, T, H, D))
+    k = jax.random.normal(kk, (B, T, G, D))
+    v = jax.random.normal(kv, (B, T, G, D))
+    ct = jax.random.normal(kc, (B, T, H, D))
+    # Documents of uneven lengths whose boundaries fall inside shards and chunks.
+    bounds = np.array([[5, 21, 40], [13, 30, 50]])
+    docs = np.sum(np.arange(T)[None, :, None] >= bounds[:, None, :], axis=-1).astype(np.int32)
+    return q, k, v, ct, {"one document": np.zeros((B, T), np.int32), "documents": docs}
+
+
+def _grad_program(kernel, mask):
+    def program(q, k, v, ct, q_pos, seg):
+        def loss(q, k, v):
+            out = kernel(q, k, v, mask=mask, q_pos=q_pos, k_pos=q_pos, q_seg=seg, k_seg=seg)
+            return jnp.sum(out * ct), out
+
+        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    return jax.jit(program)
+
+
+@functools.cache
+def _reference(mask_name: str):
+    q, k, v, ct, segs = _inputs()
+    program = _grad_program(reference_attention, MASKS[mask_name])
+    compiled = program.lower(q, k, v, ct, jnp.arange(T), segs["documents"]).compile(OPTIONS)
+    return {name: compiled(q, k, v, ct, jnp.arange(T), seg) for name, seg in segs.items()}
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("n", sorted(MESHES))
+def test_context_attention_matches_reference(n, impl, mask_name):
+    """Forward and d/dq, d/dk, d/dv, fp32, both orderings, with documents crossing shards."""
+    mesh = make_mesh(MESHES[n])
+    q, k, v, ct, segs = _inputs()
+    kernel = ContextKernel(mesh, impl, block_q=BLOCK, block_k=BLOCK)
+    program = _grad_program(kernel, MASKS[mask_name])
+    compiled = None
+    for ordering in ("zigzag", "contiguous"):
+        lay = functools.partial(to_layout, size=n, ordering=ordering)
+        pos = jnp.asarray(layout_positions(T, n, ordering))
+        for seg_name, seg in segs.items():
+            args = (lay(q), lay(k), lay(v), lay(ct), pos, lay(seg))
+            if compiled is None:
+                compiled = program.lower(*args).compile(OPTIONS)
+            out, grads = compiled(*args)
+            want_out, want_grads = _reference(mask_name)[seg_name]
+            back = functools.partial(from_layout, size=n, ordering=ordering)
+            where = f"{impl} n={n} {mask_name} {ordering} {seg_name}"
+            np.testing.assert_allclose(back(out), want_out, **TOL, err_msg=f"out, {where}")
+            for name, g, want in zip("qkv", grads, want_grads, strict=True):
+                np.testing.assert_allclose(back(g), want, **TOL, err_msg=f"d{name}, {where}")
+
+
+# ------------------------------------------------------------------------------- balance
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_zigzag_balances_causal_work(n):
+    seq = 16384
+    mask = CausalMask()
+    steps = {o: step_counts(seq, n, o, mask) for o in ("zigzag", "contiguous")}
+    tiles = {o: block_counts(seq, n, o, mask, block_q=128, block_k=128) for o in ("zigzag", "contiguous")}
+    assert tiles["zigzag"].max() / tiles["zigzag"].min() <= 1.1
+    assert list(steps["zigzag"]) == [n] * n
+    # Contiguous: device i computes i + 1 of the n ring steps (max/min = n), and the
+    # tiles are at least as unequal.
+    assert list(steps["contiguous"]) == list(range(1, n + 1))
+    assert tiles["contiguous"].max() / tiles["contiguous"].min() >= n
+    # Both orderings do the same total work: causal halves the square.
+    assert tiles["zigzag"].sum() == tiles["contiguous"].sum()
+
+
+class _CountingCausal(CausalMask):
+    """A causal mask that reports, from inside the kernel, each tile it is evaluated on."""
+
+    def _allowed(self, q_pos, k_pos):
+        jax.debug.callback(_record, jax.lax.axis_index("context"))
+        return super()._allowed(q_pos, k_pos)
+
+
+_counts: list[int] = []
+
+
+def _record(device):
+    _counts.append(int(device))
+
+
+@pytest.mark.parametrize("ordering", ["zigzag", "contiguous"])
+def test_ring_computes_exactly_the_counted_tiles(ordering):
+    """The tiles the ring kernel evaluates per device are those `block_counts` predicts."""
+    n = 4
+    mesh = make_mesh("context=4", devices=jax.devices()[:n])
+    q, k, v, _, _ = _inputs()
+    pos = jnp.asarray(layout_positions(T, n, ordering))
+    # All mesh axes manual: `jax.debug.callback` does not run in a partly-automatic shard_map.
+    seq = P(None, "context")
+    kernel = jax.shard_map(
+        lambda q, k, v, p: ring_attention(q, k, v, mask=_CountingCausal(), q_pos=p, k_pos=p,
+                                          block_q=BLOCK, block_k=BLOCK, q_chunks=2),
+        mesh=mesh, in_specs=(seq, seq, seq, P("context")), out_specs=seq,
+    )
+    _counts.clear()
+    out = jax.jit(kernel)(q, k, v, pos)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    seen = np.bincount(np.asarray(_counts, int), minlength=n)
+    np.testing.assert_array_equal(seen, block_counts(T, n, ordering, CausalMask(), block_q=BLOCK, block_k=BLOCK))
+
+
+# -------------------------------------------------------------------------------- memory
+
+
+def _temp_bytes(kernel, sharding, seq, b=1, h=8, g=2, d=64):
+    mask, pos = CausalMask(), jnp.arange(seq)
+
+    def loss(q, k, v, ct):
+        return jnp.sum(kernel(q, k, v, mask=mask, q_pos=pos, k_pos=pos) * ct)
+
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding)  # noqa: E731
+    args = spec(b, seq, h, d), spec(b, seq, g, d), spec(b, seq, g, d), spec(b, seq, h, d)
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile(OPTIONS)
+    return memory(compiled).temp_bytes
+
+
+def test_ring_memory_per_device_at_16k():
+    """Compiled, not run: ring forward+backward temporaries on 8 devices <= 1/6 of one device's."""
+    seq = 16384
+    single = _temp_bytes(
+        functools.partial(blockwise_attention, block_q=128, block_k=128),
+        NamedSharding(make_mesh("context=1", devices=jax.devices()[:1]), P()), seq,
+    )
+    mesh = make_mesh("context=8")
+    ring = _temp_bytes(ContextKernel(mesh, "ring"), NamedSharding(mesh, P(None, "context")), seq)
+    assert ring <= single / 6, (ring, single)
+
+
+# -------------------------------------------------------------------------------- errors
+
+
+def test_zigzag_needs_a_multiple_of_2n():
+    with pytest.raises(ValueError, match="divisible by 8"):
+        layout_positions(100, 4, "zigzag")
+    layout_positions(100, 4, "contiguous")  # 100 = 4 * 25 is fine contiguous
+    with pytest.raises(ValueError, match="divisible by 4"):
+        layout_positions(102, 4, "contiguous")
+    with pytest.raises(ValueError, match="ordering"):
+        layout_positions(64, 4, "striped")
+
+
+def test_kernel_rejects_bad_configuration():
+    mesh = make_mesh(MESHES[4])
+    with pytest.raises(ValueError, match="ring"):
+        ContextKernel(mesh, "ulysses")
+    kernel = ContextKernel(mesh, "ring", block_q=BLOCK, block_k=BLOCK)
+    q = jnp.zeros((1, 18, H, D))
+    kv = jnp.zeros((1, 18, G, D))
+    with pytest.raises(ValueError, match="divisible by 4"):
+        kernel(q, kv, kv, mask=CausalMask(), q_pos=jnp.arange(18), k_pos=jnp.arange(18))
+    with pytest.raises(ValueError, match="q_chunks"):
+        ContextKernel(mesh, "ring", q_chunks=3)(
+            q[:, :16], kv[:, :16], kv[:, :16], mask=CausalMask(), q_pos=jnp.arange(16), k_pos=jnp.arange(16)
+        )
