@@ -9,7 +9,10 @@ about `2(p-1) + (v-1)p + 1` chunk inputs, each of 1/v of a stage's layers.
     python benchmarks/pipeline_memory.py --microbatches 4 8 16 32
 
 Numbers are `compiled.memory_analysis().temp_size_in_bytes` (XLA's CPU buffer
-assignment; GPU/TPU assign differently but scale the same way).
+assignment; GPU/TPU assign differently but scale the same way). `slots` are the
+executor's buffers (stage inputs kept for the backward, plus incoming gradients),
+`slots MiB` their size; the rest of `temp` is the working set of one chunk's
+recomputed forward and backward, the same for every m.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ def temp_bytes(mesh, schedule, model, microbatch: int, seq: int) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mesh", default="pipeline=4,data=2")
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "interleaved"])
-    ap.add_argument("--microbatch-size", type=int, default=2, help="rows per microbatch per data-parallel device")
+    ap.add_argument("--microbatch-size", type=int, default=8, help="rows per microbatch per data-parallel device")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args()
 
     mesh = make_mesh(args.mesh)
@@ -55,14 +58,16 @@ def main():
     act = args.microbatch_size * args.seq * args.width * 4
     print(f"mesh {args.mesh}; {args.layers} layers of width {args.width}, seq {args.seq}; "
           f"one stage input = {act / 2**10:.0f} KiB per device")
-    print(f"{'schedule':<12}{'m':>4}{'bubble':>8}{'input slots':>13}{'temp MiB':>10}{'vs first':>10}")
+    print(f"{'schedule':<12}{'m':>4}{'bubble':>8}{'slots':>7}{'slots MiB':>11}{'temp MiB':>10}{'vs first':>10}")
     for name in args.schedules:
         first = None
         for m in args.microbatches:
             sched = make_schedule(name, mesh.shape["pipeline"], m, 2)
             t = temp_bytes(mesh, sched, model, args.microbatch_size, args.seq)
             first = first or t
-            print(f"{name:<12}{m:>4}{sched.bubble:>8.3f}{lower(sched).act_slots:>13}"
+            low = lower(sched)
+            slots = low.act_slots + low.grad_slots  # stage inputs + incoming gradients
+            print(f"{name:<12}{m:>4}{sched.bubble:>8.3f}{slots:>7}{slots * act / 2**20:>11.2f}"
                   f"{t / 2**20:>10.2f}{t / first:>9.2f}x", flush=True)
 
 

@@ -115,6 +115,8 @@ class TrainConfig:
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     cpu_devices: int | None = None
     """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
+    manual: bool = False
+    """Manual path (eqgpt.parallel.data.manual_grad_fn): the step runs in shard_map with explicit collectives; --mesh data/tensor axes only, --strategy containing 'sp' adds sequence parallelism."""
     # --- end parallelism
     steps: int = 800
     """Optimizer steps."""
@@ -147,8 +149,15 @@ class TrainConfig:
 def make_placement(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig | None = None):
     """Where the model and the batches live: one device, or a mesh split by `--strategy` rules."""
     if not cfg.mesh:
+        if cfg.manual:
+            raise ValueError("--manual needs a --mesh, e.g. --mesh data=2,tensor=4.")
         return SingleDevice()
     from eqgpt import parallel as par
+
+    if cfg.manual:  # --- manual path (issue 5): layout of eqgpt.parallel.data.manual_specs
+        from eqgpt.parallel.data import manual_placement
+
+        return manual_placement(par.make_mesh(cfg.mesh), model_cfg or cfg.model.build())
 
     placement = par.ShardedPlacement(par.make_mesh(cfg.mesh), cfg.strategy)
     if model_cfg is not None:  # sizes the mesh cannot split fail here, before anything compiles
@@ -185,7 +194,13 @@ def main(cfg: TrainConfig) -> dict:
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
     model = placement.init_model(lambda k: GPT(model_cfg, key=k), key_model)
     state = TrainState(model, placement.init_opt_state(optimizer, model), rng=key_state)
-    step_fn = make_train_step(optimizer, accum_steps=cfg.accum_steps, policy=policy)
+    grad_fn = None
+    if cfg.manual:  # --- manual path (issue 5): explicit collectives under shard_map
+        from eqgpt.parallel.data import manual_grad_fn
+
+        grad_fn = manual_grad_fn(model, placement.mesh, compute_dtype=policy.compute_dtype,
+                                 sequence_parallel="sp" in cfg.strategy.split("+"))
+    step_fn = make_train_step(optimizer, grad_fn=grad_fn, accum_steps=cfg.accum_steps, policy=policy)
     loader = BatchLoader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed)
     val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
     if cfg.report:  # the compiled step as evidence: collectives and memory per device

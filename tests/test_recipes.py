@@ -14,6 +14,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 def load(name):
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 

@@ -1,5 +1,8 @@
 """Rule sets, specs, placement, constraints and the guards (no training here)."""
 
+import copy
+import pickle
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -48,6 +51,7 @@ def test_rules_are_frozen_hashable_and_updatable():
     assert hash(r) == hash(par.strategy("fsdp")) and {r: 1}[par.strategy("fsdp")] == 1
     with pytest.raises(AttributeError):
         r.name = "x"
+    assert pickle.loads(pickle.dumps(r)) == r and copy.deepcopy(r).name == "fsdp"
     u = r.update(params={"embed": None, "mlp": "fsdp"})
     assert u.axes("embed") == () and u.axes("mlp") == ("fsdp",) and r.axes("embed") == ("fsdp",)
 
@@ -79,6 +83,8 @@ def test_spec_with_a_mesh_drops_size_one_axes_and_checks_divisibility():
     assert r.spec(("batch", "seq"), "activations", mesh=mesh) == P("fsdp", None)
     with pytest.raises(ValueError, match=r"size 12, not divisible by mesh axes \('fsdp',\) of total size 8"):
         r.spec(("embed",), shape=(12,), mesh=mesh)
+    # An activation the mesh cannot split (one sequence while decoding) is replicated.
+    assert r.spec(("batch", "seq", "embed"), "activations", shape=(1, 4, 32), mesh=mesh) == P(None, None, None)
     tp8 = par.make_mesh("tensor=8")  # 4 kv heads * head_dim 4 over 8 ranks: replicated
     assert r.spec(("embed", "kv_heads"), shape=(32, 12), mesh=tp8) == P(None, None)
 

@@ -1,7 +1,7 @@
-"""One tiny training set-up shared by the multi-process workers and the tests that check them.
+"""One tiny training set-up shared by the subprocess workers and the tests that check them.
 
-Everything is a pure function of its arguments, so a 2-process run and a
-1-process run build the same model, optimizer and batches.
+Everything is a pure function of its arguments, so a 2-process run, a
+1-process run and a resumed run build the same model, optimizer and batches.
 """
 
 from __future__ import annotations
@@ -9,18 +9,31 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import eqgpt
 from eqgpt.data import BatchLoader
-from eqgpt.nn import GPT
-from eqgpt.parallel import ShardedPlacement, make_mesh
-from eqgpt.train import TrainState, make_train_step
+from eqgpt.nn import GPT, NoConstraint, map_constraints
+from eqgpt.parallel import (
+    ShardedPlacement,
+    make_mesh,
+    opt_state_shardings,
+    param_shardings,
+    with_constraints,
+)
+from eqgpt.train import (
+    Trainer,
+    TrainerConfig,
+    TrainState,
+    make_optimizer,
+    make_schedule,
+    make_train_step,
+)
 
 CONFIG = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=4, embed_dim=32)
 BATCH = 8
-OPTIMIZER = optax.adamw(3e-3, weight_decay=0.1)
+TOTAL_STEPS = 20
+OPTIMIZER = make_optimizer(make_schedule(3e-3, total_steps=TOTAL_STEPS, warmup_steps=2))
 
 
 def corpus() -> np.ndarray:
@@ -31,27 +44,63 @@ def corpus() -> np.ndarray:
     return ((base + noise) % CONFIG.vocab_size).astype(np.int32)
 
 
-def setup(mesh: str, strategy: str, seed: int = 0, config: eqgpt.GPTConfig = CONFIG):
+def setup(mesh: str, strategy: str, seed: int = 0):
     """`(placement, state, step_fn, loader)` for a mesh spec and strategy over all devices."""
     placement = ShardedPlacement(make_mesh(mesh), strategy)
     key_model, key_state = jax.random.split(jax.random.key(seed))
-    model = placement.init_model(lambda k: GPT(config, key=k), key_model)
+    model = placement.init_model(lambda k: GPT(CONFIG, key=k), key_model)
     # step, rng and skipped replicated on the mesh, as the step returns them (no second compile).
     replicated = NamedSharding(placement.mesh, PartitionSpec())
-    state = TrainState(model, placement.init_opt_state(OPTIMIZER, model), rng=key_state)
     put = lambda x: jax.device_put(np.asarray(x), replicated)  # noqa: E731 (host values: any process count)
+    state = TrainState(model, placement.init_opt_state(OPTIMIZER, model), rng=key_state)
     state = eqx.tree_at(lambda s: (s.step, s.rng, s.skipped), state,
                         (put(state.step), jax.random.wrap_key_data(put(jax.random.key_data(state.rng))),
                          put(state.skipped)))
-    loader = BatchLoader(corpus(), batch_size=BATCH, seq_len=config.seq_len, seed=seed)
+    loader = BatchLoader(corpus(), batch_size=BATCH, seq_len=CONFIG.seq_len, seed=seed)
     return placement, state, make_train_step(OPTIMIZER), loader
 
 
 def train(state, step_fn, loader, placement, steps: int):
-    """Run `steps` steps from `state.step`; **returns** `(state, losses)`."""
+    """Run `steps` steps from `state.step` in a plain loop; **returns** `(state, losses)`."""
     losses = []
     start = int(state.step)
     for s in range(start, start + steps):
         state, metrics = step_fn(state, placement.batch(loader.local_batch(s)))
         losses.append(float(metrics["loss"]))
     return state, losses
+
+
+def trainer(state, step_fn, loader, placement, *, steps: int, checkpointer=None) -> Trainer:
+    """The library's `Trainer`, logging every step's loss, without validation or a progress bar."""
+    config = TrainerConfig(steps=steps, log_every=1, eval_every=0, progress=False)
+    return Trainer(step_fn, state, loader, placement, config=config, checkpointer=checkpointer)
+
+
+def losses(t: Trainer) -> list[float]:
+    return [row["loss"] for row in t.history.rows if "loss" in row]
+
+
+def target(like: TrainState, placement: ShardedPlacement | None) -> TrainState:
+    """A restore target on `placement` (`None`: one device) with `like`'s shapes; allocates nothing."""
+    bare = map_constraints(like.model, lambda path, hook: NoConstraint())  # hooks of no mesh
+    model, opt = eqx.filter((bare, like.opt_state), eqx.is_array)
+    if placement is None:
+        one = SingleDeviceSharding(jax.devices()[0])
+        m_sh, o_sh, scalar = jax.tree.map(lambda _: one, model), jax.tree.map(lambda _: one, opt), one
+    else:
+        mesh, rules = placement.mesh, placement.rules
+        m_sh = param_shardings(model, mesh, rules)
+        o_sh = opt_state_shardings(opt, model, mesh, rules)
+        scalar = NamedSharding(mesh, PartitionSpec())
+    abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    model = eqx.combine(jax.tree.map(abstract, model, m_sh), eqx.filter(bare, eqx.is_array, inverse=True))
+    if placement is not None:
+        model = with_constraints(model, placement.mesh, placement.rules)
+    return _state(model, jax.tree.map(abstract, opt, o_sh), abstract(like.step, scalar),
+                  abstract(like.rng, scalar), abstract(like.skipped, scalar))
+
+
+def _state(model, opt_state, step, rng, skipped) -> TrainState:
+    # TrainState.__init__ converts step/skipped with jnp.asarray; set the abstract leaves directly.
+    state = TrainState(model, opt_state, rng=rng)
+    return eqx.tree_at(lambda s: (s.step, s.skipped), state, (step, skipped))

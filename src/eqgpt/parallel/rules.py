@@ -122,6 +122,9 @@ class Rules:
     def __hash__(self) -> int:
         return hash((self.params, self.activations))
 
+    def __reduce__(self):  # frozen slots: rebuild through __init__ (pickle, deepcopy)
+        return (_rebuild_rules, (dict(self.params), dict(self.activations), self.name))
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Rules) and (self.params, self.activations) == (other.params, other.activations)
 
@@ -152,8 +155,11 @@ class Rules:
 
         A mesh axis is used at most once per spec: the first dimension that asks for
         it gets it. With a `mesh`, axes of size 1 are left out. With `shape` and
-        `mesh`, a dimension the axes do not divide raises `ValueError`, except the
-        names in `REPLICATE_IF_INDIVISIBLE` (`kv_heads`), which are replicated.
+        `mesh`, a weight dimension the axes do not divide raises `ValueError`, except
+        the names in `REPLICATE_IF_INDIVISIBLE` (`kv_heads`), which are replicated.
+        An activation dimension they do not divide is replicated (logged once): a
+        decode step with one sequence on an 8-way batch mesh is legitimate, and
+        training configurations are checked up front by `check_divisibility`.
 
         **Arguments:**
 
@@ -178,7 +184,7 @@ class Rules:
                 n = math.prod(mesh.shape[a] for a in axes)
                 unit = (units or {}).get(name, 1) if name else 1
                 if shape[i] % unit or (shape[i] // unit) % n:
-                    if name in REPLICATE_IF_INDIVISIBLE:
+                    if name in REPLICATE_IF_INDIVISIBLE or kind == "activations":
                         key = (name, shape[i], axes)
                         if key not in _logged:
                             _logged.add(key)
@@ -233,6 +239,10 @@ class Rules:
         if mesh is not None:
             axes = {a for a in axes if mesh.shape[a] > 1}
         return tuple(a for a in AXES if a in axes)
+
+
+def _rebuild_rules(params: dict, activations: dict, name: str) -> Rules:
+    return Rules(params, activations, name=name)
 
 
 _TP_NAMES = ("heads", "kv_heads", "mlp", "vocab")

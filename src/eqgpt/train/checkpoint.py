@@ -460,6 +460,10 @@ class Checkpointer:
         for name, leaf in leaves.items():
             if name in arrays:
                 value = arrays[name]
+                if isinstance(leaf, jax.Array) and not leaf.committed:
+                    # An uncommitted target (a fresh `jnp.asarray(0)`, `jax.random.key(0)`) may
+                    # join any computation; keep it so rather than pinning it to one device.
+                    value = jax.device_put(np.asarray(value))
                 if name in meta.get("keys", {}) or _is_key(leaf):
                     impl = meta.get("keys", {}).get(name) or str(jax.random.key_impl(leaf))
                     value = jax.random.wrap_key_data(value, impl=impl)

@@ -9,7 +9,6 @@ been dispatched), so the host never stalls the device.
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.loader import BatchLoader
+from eqgpt.train.preemption import StopSignal
 from eqgpt.train.state import TrainState
 from eqgpt.train.step import batch_loss
 
@@ -66,33 +66,10 @@ def make_eval_fn(loss_fn: Callable = batch_loss, policy=None) -> Callable:
     return evaluate
 
 
-class _StopFlag:
-    """Ctrl-C sets a flag; the loop stops after the step in flight. A second Ctrl-C interrupts."""
-
-    def __init__(self):
-        self.stop = False
-        self._old = None
-
-    def __enter__(self):
-        def handler(signum, frame):
-            if self.stop:
-                raise KeyboardInterrupt
-            self.stop = True
-
-        try:
-            self._old = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread: no handler, Ctrl-C raises as usual
-            self._old = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
 class _Progress:
-    def __init__(self, total: int, start: int, enabled: bool):
+    def __init__(self, total: int, start: int, enabled: bool, quiet: bool = False):
         self.bar = None
+        self.quiet = quiet  # processes other than 0 print nothing
         if enabled:
             from rich.progress import (
                 BarColumn,
@@ -116,6 +93,8 @@ class _Progress:
             self.bar.update(self.task, completed=step, **kw)
 
     def print(self, msg: str):
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.console.print(msg)
         else:
@@ -138,6 +117,12 @@ class Trainer:
     - `flops_per_token`, `peak_flops`: for the MFU estimate (omit to skip it).
     - `schedule`: the learning-rate schedule, for logging `lr`.
     - `eval_fn`: `(model, batch) -> loss`; default `lm_loss` via `make_eval_fn`.
+    - `checkpointer`: an `eqgpt.train.checkpoint.Checkpointer`: saves every
+      `checkpointer.every` steps, at the end, and when stopped by SIGTERM/SIGINT.
+
+    SIGTERM or SIGINT stops the loop after the step in flight (at the same step in
+    every process); `interrupted` and `stop_signal` say so afterwards. Only process
+    0 prints, draws the progress bar and writes `metrics.jsonl`.
     """
 
     def __init__(
@@ -153,6 +138,7 @@ class Trainer:
         peak_flops: float | None = None,
         schedule: Callable | None = None,
         eval_fn: Callable | None = None,
+        checkpointer=None,
     ):
         config = TrainerConfig() if config is None else config
         if config.steps < 1 or config.log_every < 1:
@@ -163,6 +149,11 @@ class Trainer:
         self.eval_fn = make_eval_fn() if eval_fn is None else eval_fn
         self.history = History()
         self.interrupted = False
+        # --- checkpoints and preemption (eqgpt.train.checkpoint / preemption)
+        self.checkpointer = checkpointer
+        self.stop_signal: int | None = None
+        self.is_main = jax.process_index() == 0
+        # --- end checkpoints and preemption
         self._metrics_file = None
         if config.out_dir is not None:
             Path(config.out_dir).mkdir(parents=True, exist_ok=True)
@@ -180,7 +171,7 @@ class Trainer:
 
     def _log(self, row: dict):
         self.history.rows.append(row)
-        if self._metrics_file is not None:
+        if self._metrics_file is not None and self.is_main:
             with open(self._metrics_file, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -189,18 +180,18 @@ class Trainer:
         cfg = self.config
         start = int(self.state.step)
         tokens_per_step = self.loader.batch_size * self.loader.seq_len
-        bar = _Progress(cfg.steps, start, cfg.progress)
+        bar = _Progress(cfg.steps, start, cfg.progress and self.is_main, quiet=not self.is_main)
         pending: tuple[int, dict[str, Array]] | None = None
         mark_step, mark_time = start, None
         t_begin = time.perf_counter()
         try:
-            with _StopFlag() as flag:
+            with StopSignal() as flag:
                 val = self.validate(self.state.model)
                 if val is not None:
                     self._log({"step": start, "val_loss": val, "time": 0.0})
                     bar.print(f"step {start}: val loss {val:.3f}")
-                step = start
-                while step < cfg.steps and not flag.stop:
+                step, stop = start, False
+                while step < cfg.steps and not stop:
                     batch = self.placement.batch(self.loader.local_batch(step))
                     self.state, metrics = self.step_fn(self.state, batch)
                     if pending is not None:  # read the previous step's loss while this one runs
@@ -211,16 +202,30 @@ class Trainer:
                         pending = (step, metrics)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                         self._eval_row(step, bar, t_begin)
+                    self._checkpoint(step)
+                    stop = flag.should_stop(step)  # every process, every step: they stop together
                 if pending is not None:
                     self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
-                self.interrupted = flag.stop
-                if flag.stop:
-                    bar.print(f"interrupted: stopped cleanly after step {step}")
+                self.interrupted = stop
+                self.stop_signal = flag.signal if stop else None
+                self._checkpoint(step, force=True)  # the final (or preempted) state
+                if stop:
+                    saved = f"; checkpoint {step} written" if self.checkpointer is not None else ""
+                    bar.print(f"interrupted: stopped cleanly after step {step}{saved}")
                 if not cfg.eval_every or step % cfg.eval_every or step == cfg.steps:
                     self._eval_row(step, bar, t_begin)
         finally:
             bar.close()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # background writes finish before the caller exits
         return self.state
+
+    def _checkpoint(self, step: int, force: bool = False) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save(
+                step, self.state, force=force,
+                extras={"data": {"seed": self.loader.seed, "step": step}},  # a batch is f(seed, step)
+            )
 
     def _eval_row(self, step: int, bar: _Progress, t_begin: float):
         val = self.validate(self.state.model)

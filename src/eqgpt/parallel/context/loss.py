@@ -3,11 +3,10 @@
 The model runs under the automatic partitioner with the rule set
 `context_rules(base)`: the base strategy (`dp`, `fsdp`, `tp`, or a `+` of them)
 plus the activations' `seq` and `inner_seq` over `context`. Only attention is
-manual (`ContextKernel`, a `shard_map` over `context`), and the cross-entropy,
-which each device computes on its own positions in a `shard_map` over `context`
-before one `psum` of three scalars. Every weight's gradient is then a sum over
-tokens that lie on the `data`, `fsdp` and `context` devices alike, and the
-partitioner reduces it over those axes together.
+manual (`ContextKernel`, a `shard_map` over `context`); the cross-entropy runs
+on each device's own positions (`sharded_cross_entropy`). Every weight's
+gradient is then a sum over tokens that lie on the `data`, `fsdp` and `context`
+devices alike, and the partitioner reduces it over those axes together.
 
 The batch is put into the layout (`zigzag` or `contiguous`) once per step,
 before the embedding: tokens, targets, loss mask and segment ids are reordered,
@@ -24,7 +23,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqgpt.nn.embedding import Embedding
@@ -72,6 +71,13 @@ def _head(model) -> Any:
     return model.tok_embed if model.head is None else model.head
 
 
+def _fold(x: Array, size: int) -> Array:
+    """`[b, T, ...]` -> `[size * b, T / size, ...]`, shard-major: device `i`'s positions become rows."""
+    b, t = x.shape[:2]
+    x = x.reshape(b, size, t // size, *x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape(size * b, t // size, *x.shape[3:])
+
+
 def sharded_cross_entropy(
     head: Any,
     hidden: Float[Array, "batch seq embed"],
@@ -80,33 +86,32 @@ def sharded_cross_entropy(
     mesh: Mesh,
     loss_mask: Float[Array, "batch seq"] | None = None,
     axis: str = "context",
+    batch_axes: tuple[str, ...] = ("data", "fsdp"),
     chunk_size: int = 128,
     z_loss: float = 0.0,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Mean cross-entropy of sequence-sharded hidden states, each device on its own positions.
 
+    `chunked_cross_entropy` scans over chunks of the sequence; scanning the
+    sequence while it is split over `axis` would gather it. So each device's
+    positions are first folded into rows (`[b, T, D] -> [n b, T/n, D]`, the new
+    row dimension split over `(axis, *batch_axes)`: a relabelling, no data moves)
+    and the scan runs over the local `T/n` positions. The mean is over all tokens.
+
     **Arguments:** `head`, the output layer (a tied `Embedding` or a `Linear`);
-    `hidden`, `targets`, `loss_mask` with the sequence split over `axis` of `mesh`;
-    `chunk_size`, `z_loss` as `chunked_cross_entropy`.
+    `hidden`, `targets`, `loss_mask` with the sequence split over `axis` of `mesh`
+    and the batch over `batch_axes`; `chunk_size`, `z_loss` as `chunked_cross_entropy`.
 
-    **Returns:** `(loss, {"nll", "z_loss"})`, means over all tokens of all devices.
+    **Returns:** `(loss, {"nll", "z_loss"})`.
     """
-    mask = jnp.ones(targets.shape, jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
-    logits_of = (lambda h: h.attend) if isinstance(head, Embedding) else (lambda h: h)
-
-    def local(head, h, y, m):
-        _, aux = chunked_cross_entropy(logits_of(head), h, y, loss_mask=m, chunk_size=chunk_size)
-        count = jnp.sum(m)  # the local means times the local count: the local sums
-        return jax.lax.psum((aux["nll"] * count, aux["z_loss"] * count, count), axis)
-
-    seq = P(None, axis)
-    nll, z, count = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(None, axis, None), seq, seq), out_specs=P(),
-        axis_names={axis},
-    )(head, hidden, targets, mask)
-    count = jnp.maximum(count, 1.0)
-    nll, z = nll / count, z / count
-    return nll + z_loss * z, {"nll": nll, "z_loss": z}
+    size = mesh.shape[axis]
+    rows = NamedSharding(mesh, P((axis, *(a for a in batch_axes if a != axis))))
+    fold = lambda x: jax.lax.with_sharding_constraint(_fold(x, size), rows)  # noqa: E731
+    logits_fn = head.attend if isinstance(head, Embedding) else head
+    return chunked_cross_entropy(
+        logits_fn, fold(hidden), fold(targets), loss_mask=None if loss_mask is None else fold(loss_mask),
+        chunk_size=chunk_size, z_loss=z_loss,
+    )
 
 
 def context_loss_fn(

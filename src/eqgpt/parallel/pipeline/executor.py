@@ -74,7 +74,6 @@ PP = Rules(params={"layers": PIPELINE}, name="pp")
 Batch = Mapping[str, Array] | Array
 
 
-
 # ------------------------------------------------------------------ checks
 
 
@@ -231,6 +230,7 @@ def _reduce_grads(tree, axes_tree, lead: int = 0):
 
 def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
                block_axes, rest_axes):
+    """The `shard_map`ped step `(staged blocks, other params, batch) -> (loss terms, grads, grads)`."""
     p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
     lowered = lower(schedule)
     program = jnp.asarray(lowered.instructions)
@@ -304,7 +304,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             send_f, send_b, d_chunk, d_rest, d_terms = jax.lax.switch(
                 row[OP], branches, chunk, rest, x, dy, data, g == 0, g == p * v - 1
             )
-            g_blocks = jax.tree.map(lambda g, u: g.at[c].add(u), g_blocks, d_chunk)
+            g_blocks = jax.tree.map(lambda acc, u: acc.at[c].add(u), g_blocks, d_chunk)
             g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
             acts = acts.at[row[ACT_WRITE]].set(jax.lax.ppermute(send_f, PIPELINE, fwd_perm), mode="drop")
             grads_in = grads_in.at[row[GRAD_WRITE]].set(
