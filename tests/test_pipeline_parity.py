@@ -110,6 +110,9 @@ def test_pipeline_matches_single_device_over_five_steps(case, init_model, refere
     for step, (ref_loss, ref_nll, ref_grads) in enumerate(ref_steps):
         (loss, aux), grads = compiled(eqx.filter(model, eqx.is_array), make_batch(step))
         assert float(loss) == pytest.approx(ref_loss, rel=1e-5), f"step {step}"
+        # Computed once on the last stage, then held by every device (no placeholder elsewhere).
+        assert loss.sharding.is_fully_replicated
+        assert len({float(s.data) for s in loss.addressable_shards}) == 1
         assert float(aux["nll"]) == pytest.approx(ref_nll, rel=1e-5)
         close(grads, eqx.filter(ref_grads, eqx.is_array))
         model, opt_state = apply_update(model, grads, opt_state)

@@ -81,9 +81,16 @@ def losses(t: Trainer) -> list[float]:
 
 
 def target(like: TrainState, placement: ShardedPlacement | None) -> TrainState:
-    """A restore target on `placement` (`None`: one device) with `like`'s shapes; allocates nothing."""
+    """A restore target on `placement` (`None`: one device) with `like`'s shapes; allocates nothing.
+
+    The optimizer state is re-derived from the target model: its moments mirror the
+    model's structure, activation hooks (which name the mesh) included.
+    """
     bare = map_constraints(like.model, lambda path, hook: NoConstraint())  # hooks of no mesh
-    model, opt = eqx.filter((bare, like.opt_state), eqx.is_array)
+    if placement is not None:
+        bare = with_constraints(bare, placement.mesh, placement.rules)
+    model = eqx.filter(bare, eqx.is_array)
+    opt = eqx.filter_eval_shape(OPTIMIZER.init, model)
     if placement is None:
         one = SingleDeviceSharding(jax.devices()[0])
         m_sh, o_sh, scalar = jax.tree.map(lambda _: one, model), jax.tree.map(lambda _: one, opt), one
@@ -94,8 +101,6 @@ def target(like: TrainState, placement: ShardedPlacement | None) -> TrainState:
         scalar = NamedSharding(mesh, PartitionSpec())
     abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     model = eqx.combine(jax.tree.map(abstract, model, m_sh), eqx.filter(bare, eqx.is_array, inverse=True))
-    if placement is not None:
-        model = with_constraints(model, placement.mesh, placement.rules)
     return _state(model, jax.tree.map(abstract, opt, o_sh), abstract(like.step, scalar),
                   abstract(like.rng, scalar), abstract(like.skipped, scalar))
 
