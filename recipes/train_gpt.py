@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import jax
 import tyro
 
 import eqgpt
+from eqgpt import distributed
 from eqgpt.data import BatchLoader, ByteTokenizer, eval_windows, load_corpus
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, peak_flops
@@ -37,6 +39,8 @@ from eqgpt.train import (
     plot_history,
     save_model,
 )
+from eqgpt.train.checkpoint import Checkpointer
+from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 
 
 @dataclass
@@ -118,6 +122,16 @@ class TrainConfig:
     manual: bool = False
     """Manual path (eqgpt.parallel.data.manual_grad_fn): the step runs in shard_map with explicit collectives; --mesh data/tensor axes only, --strategy containing 'sp' adds sequence parallelism."""
     # --- end parallelism
+    # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: none). With checkpoints (or --resume) a run also saves at the end and on SIGTERM/SIGINT, then exits with status 75."""
+    checkpoint_dir: Path | None = None
+    """Checkpoint directory (default: out_dir/checkpoints)."""
+    checkpoint_keep: int = 3
+    """Newest checkpoints to keep."""
+    resume: bool = False
+    """Continue from the latest good checkpoint in checkpoint_dir, on any --mesh (start at step 0 if there is none)."""
+    # --- end checkpoints and multi-process runs
     steps: int = 800
     """Optimizer steps."""
     batch_size: int = 32
@@ -171,6 +185,8 @@ def main(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     if cfg.cpu_devices:  # must precede the first use of a JAX backend
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+    distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
+    is_main = jax.process_index() == 0  # only process 0 prints and writes files
     model_cfg = cfg.model.build()
     if cfg.batch_size % cfg.accum_steps:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by accum_steps ({cfg.accum_steps}).")
@@ -178,9 +194,11 @@ def main(cfg: TrainConfig) -> dict:
                          min_tokens=model_cfg.seq_len + 1, vocab_size=model_cfg.vocab_size)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    (out / "config.json").write_text(json.dumps(
-        {"recipe": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg)}, indent=2, default=str))
+    if is_main:
+        if not cfg.resume:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(
+            {"recipe": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg)}, indent=2, default=str))
 
     placement = make_placement(cfg, model_cfg)
     policy = Policy.default() if cfg.precision == "auto" else Policy.named(cfg.precision)
@@ -194,6 +212,26 @@ def main(cfg: TrainConfig) -> dict:
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
     model = placement.init_model(lambda k: GPT(model_cfg, key=k), key_model)
     state = TrainState(model, placement.init_opt_state(optimizer, model), rng=key_state)
+    # --- checkpoints and multi-process runs
+    if jax.process_count() > 1:  # every process must hold what process 0 holds, or stop now
+        mesh = distributed.mesh_fields(placement.mesh) if hasattr(placement, "mesh") else "single"
+        distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg, "mesh": mesh})
+        distributed.check_replicas_agree(state.model)
+    checkpointer = None
+    if cfg.checkpoint_every or cfg.resume:
+        checkpointer = Checkpointer(
+            cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
+            keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
+            config={"model": model_cfg, "data_order": {"seed": cfg.seed}, "recipe": dataclasses.asdict(cfg)},
+        )
+        restored = checkpointer.restore(state) if cfg.resume else None
+        if restored is not None:  # the shardings are this run's (any mesh); batches resume at its step
+            state = restored.state
+            if is_main:
+                print(f"resumed from checkpoint {restored.step} in {checkpointer.directory}", flush=True)
+        elif cfg.resume and is_main:
+            print(f"--resume: no checkpoint in {checkpointer.directory}; starting at step 0", flush=True)
+    # --- end checkpoints and multi-process runs
     grad_fn = None
     if cfg.manual:  # --- manual path (issue 5): explicit collectives under shard_map
         from eqgpt.parallel.data import manual_grad_fn
@@ -211,20 +249,30 @@ def main(cfg: TrainConfig) -> dict:
 
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     n_params = sum(x.size for x in jax.tree.leaves(model) if hasattr(x, "size"))
-    print(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
-          f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len} | corpus {corpus.name}: "
-          f"{len(corpus.train) / 1e6:.1f}M train / {len(corpus.val) / 1e6:.2f}M val tokens | "
-          f"{placement} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})", flush=True)
+    if is_main:
+        print(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
+              f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len} | corpus {corpus.name}: "
+              f"{len(corpus.train) / 1e6:.1f}M train / {len(corpus.val) / 1e6:.2f}M val tokens | "
+              f"{placement} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})", flush=True)
 
     trainer = Trainer(
         step_fn, state, loader, placement, val_windows=val, schedule=schedule,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every,
                              out_dir=out, progress=cfg.progress),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak, eval_fn=make_eval_fn(policy=policy),
+        checkpointer=checkpointer,
     )
     state = trainer.run()
+    if trainer.interrupted:  # SIGTERM/SIGINT: the checkpoint is written; leave within the grace period
+        summary = {"steps": int(state.step), "interrupted": True, "seconds": time.perf_counter() - t0}
+        if is_main:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            print(f"stopped at step {summary['steps']} by signal {trainer.stop_signal}; rerun with --resume "
+                  f"to continue (exit status {PREEMPTED_EXIT_CODE})", flush=True)
+        return summary
     save_model(out, state.model)
-    plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name}")
+    if is_main:
+        plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name}")
 
     tok = ByteTokenizer()
     samples = []
@@ -234,13 +282,16 @@ def main(cfg: TrainConfig) -> dict:
             break
         text = generate_text(state.model, tok, prompt, n_new, key=jax.random.fold_in(state.rng, i))[0]
         samples.append(text)
-    (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
-    for i, s in enumerate(samples):
-        print(f"--- sample {i} ---\n{s}")
+    if is_main:
+        (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
+        for i, s in enumerate(samples):
+            print(f"--- sample {i} ---\n{s}")
     _, vals = trainer.history.series("val_loss")
     summary = {"val_loss": vals[-1] if vals else None, "first_val_loss": vals[0] if vals else None,
                "steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted,
                "seconds": time.perf_counter() - t0, "samples": samples}
+    if not is_main:
+        return summary
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"done: val loss {summary['first_val_loss']:.3f} -> {summary['val_loss']:.3f} nats/byte "
           f"in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
@@ -248,4 +299,5 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(TrainConfig))
+    summary = main(tyro.cli(TrainConfig))
+    sys.exit(PREEMPTED_EXIT_CODE if summary["interrupted"] else 0)

@@ -6,8 +6,8 @@ at step 10 (or wherever SIGTERM lands), checkpointed, restored and continued.
 
 import os
 import signal
-import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import equinox as eqx
@@ -18,10 +18,10 @@ import pytest
 MP = Path(__file__).parent / "mp"
 sys.path.insert(0, str(MP.parent))
 
+from eqgpt.data import BatchLoader  # noqa: E402
 from eqgpt.parallel import ShardedPlacement, make_mesh  # noqa: E402
 from eqgpt.train import SingleDevice, make_train_step  # noqa: E402
 from eqgpt.train.checkpoint import Checkpointer  # noqa: E402
-from eqgpt.train.preemption import PREEMPTED_EXIT_CODE  # noqa: E402
 from mp.common import OPTIMIZER, TOTAL_STEPS, losses, setup, target, trainer  # noqa: E402
 
 
@@ -35,15 +35,16 @@ def reference(tmp_path_factory):
     """The uninterrupted run, and a 10-step run that checkpointed at 5 and 10 (fsdp=8)."""
     directory = tmp_path_factory.mktemp("resume")
     placement, state, step_fn, loader = setup("fsdp=8", "fsdp")
-    like = jax.tree.map(lambda x: x, state)  # shapes and shardings of a fresh state
+    copy = lambda t: jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, t)  # noqa: E731
+    fresh, spare = copy(state), copy(state)  # the step donates its input state
     full = trainer(state, step_fn, loader, placement, steps=TOTAL_STEPS)
     final = full.run()
-    _, state, _, _ = setup("fsdp=8", "fsdp")
-    first = trainer(state, step_fn, loader, placement, steps=10,
+    first = trainer(fresh, step_fn, loader, placement, steps=10,
                     checkpointer=Checkpointer(directory, every=5, keep=3, config={"model": {"seed": 0}}))
     first.run()
-    return {"dir": directory, "placement": placement, "step_fn": step_fn, "loader": loader, "like": like,
-            "losses": losses(full), "final": arrays(final), "first_losses": losses(first)}
+    return {"dir": directory, "placement": placement, "step_fn": step_fn, "loader": loader, "like": final,
+            "losses": losses(full), "final": arrays(final), "first_losses": losses(first),
+            "spare": spare}
 
 
 def resume(ref, directory, placement, step_fn):
@@ -78,30 +79,34 @@ def test_elastic_resume(reference, mesh, strategy):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # Adam amplifies noise on ~0 gradients
 
 
+class SignalAt(BatchLoader):
+    """A loader that sends this process SIGTERM when the trainer fetches batch `at`."""
+
+    at = 6
+
+    def local_batch(self, step):
+        if step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().local_batch(step)
+
+
 def test_sigterm_leaves_a_checkpoint_that_resumes_exactly(reference, tmp_path):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be installed from the main thread")
     ref = reference
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(MP / "resume_worker.py"), str(tmp_path)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("STEP 6"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = "".join(seen) + out
-    assert proc.returncode == PREEMPTED_EXIT_CODE, text[-3000:]
-    stopped = int(text.split("STOPPED AT ")[1].split()[0])
-    assert 6 < stopped < TOTAL_STEPS and "interrupted=True" in text and f"signal={int(signal.SIGTERM)}" in text
+    base = ref["loader"]
+    loader = SignalAt(base.tokens, batch_size=base.batch_size, seq_len=base.seq_len, seed=base.seed)
+    before = signal.getsignal(signal.SIGTERM)
+    t = trainer(ref["spare"], ref["step_fn"], loader, ref["placement"], steps=TOTAL_STEPS,
+                checkpointer=Checkpointer(tmp_path, every=1000))
+    t.run()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is removed again
+    assert t.interrupted and t.stop_signal == signal.SIGTERM
+    stopped = int(t.state.step)
+    assert stopped == SignalAt.at + 1  # the step in flight finished, then the loop stopped
     assert Checkpointer(tmp_path).steps() == [stopped]
-    restored, t, final = resume(ref, tmp_path, ref["placement"], ref["step_fn"])
+    restored, resumed, final = resume(ref, tmp_path, ref["placement"], ref["step_fn"])
     assert restored.step == stopped
-    assert losses(t) == ref["losses"][stopped:]
+    assert losses(t) + losses(resumed) == ref["losses"]
     for a, b in zip(arrays(final), ref["final"], strict=True):
         np.testing.assert_array_equal(a, b)

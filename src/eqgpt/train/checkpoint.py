@@ -193,6 +193,8 @@ def _to_json(value: Any) -> Any:
         return value
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         return value.item()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     return repr(value)
 
 

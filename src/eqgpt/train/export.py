@@ -23,9 +23,16 @@ CONFIG_FILE = "model_config.json"
 def save_model(out_dir: str | Path, model: GPT) -> Path:
     """Write `model.eqx` (arrays) and `model_config.json` (its `GPTConfig`) into `out_dir`."""
     out = Path(out_dir)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    if jax.process_count() > 1:  # arrays span processes: every process joins the gather, process 0 writes
+        from jax.experimental import multihost_utils
+
+        arrays = multihost_utils.process_allgather(arrays, tiled=True)
+        if jax.process_index() != 0:
+            return out / MODEL_FILE
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.config), indent=2))
-    eqx.tree_serialise_leaves(out / MODEL_FILE, jax.device_get(model))
+    eqx.tree_serialise_leaves(out / MODEL_FILE, eqx.combine(jax.device_get(arrays), static))
     return out / MODEL_FILE
 
 
