@@ -26,7 +26,8 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from eqgpt.nn.kernels.blockwise import blockwise_attention  # noqa: E402
 from eqgpt.nn.mask import CausalMask  # noqa: E402

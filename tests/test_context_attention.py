@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from eqgpt.nn.kernels.blockwise import blockwise_attention
 from eqgpt.nn.kernels.reference import reference_attention
@@ -174,6 +175,32 @@ def test_ring_memory_per_device_at_16k():
     mesh = make_mesh("context=8")
     ring = _temp_bytes(ContextKernel(mesh, "ring"), NamedSharding(mesh, P(None, "context")), seq)
     assert ring <= single / 6, (ring, single)
+
+
+def _scanned_layers_temp_bytes(seq, impl="ring", layers=2):
+    """Temporaries of grad through `layers` scanned attention layers (as a GPT runs them)."""
+    b, h, g, d = 2, 4, 2, 16
+    mesh = make_mesh(MESHES[4])
+    kernel, pos = ContextKernel(mesh, impl), jnp.arange(seq)
+
+    def layer(x, w):
+        qkv = (x @ w).reshape(b, seq, h + 2 * g, d)
+        q, k, v = qkv[:, :, :h], qkv[:, :, h:h + g], qkv[:, :, h + g:]
+        return kernel(q, k, v, mask=CausalMask(), q_pos=pos, k_pos=pos).reshape(b, seq, h * d), None
+
+    def loss(w, x):
+        return jnp.sum(jax.lax.scan(layer, x, w)[0])
+
+    x = jax.ShapeDtypeStruct((b, seq, h * d), jnp.float32, sharding=NamedSharding(mesh, P("data", "context")))
+    w = jax.ShapeDtypeStruct((layers, h * d, (h + 2 * g) * d), jnp.float32)
+    return memory(jax.jit(jax.grad(loss)).lower(w, x).compile(OPTIONS)).temp_bytes
+
+
+def test_memory_stays_linear_inside_scanned_layers():
+    """Masks depend on positions only; in a differentiated scan JAX would hoist them out of the
+    kernel's loops and store every tile's (quadratic). Doubling the sequence must ~double memory."""
+    small, large = _scanned_layers_temp_bytes(2048), _scanned_layers_temp_bytes(4096)
+    assert large < 2.5 * small, (small, large)
 
 
 # -------------------------------------------------------------------------------- errors

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from eqgpt import parallel as par
 from eqgpt.parallel.context import (

@@ -49,15 +49,29 @@ def setup(mesh: str, strategy: str, seed: int = 0):
     placement = ShardedPlacement(make_mesh(mesh), strategy)
     key_model, key_state = jax.random.split(jax.random.key(seed))
     model = placement.init_model(lambda k: GPT(CONFIG, key=k), key_model)
-    # step, rng and skipped replicated on the mesh, as the step returns them (no second compile).
-    replicated = NamedSharding(placement.mesh, PartitionSpec())
-    put = lambda x: jax.device_put(np.asarray(x), replicated)  # noqa: E731 (host values: any process count)
     state = TrainState(model, placement.init_opt_state(OPTIMIZER, model), rng=key_state)
-    state = eqx.tree_at(lambda s: (s.step, s.rng, s.skipped), state,
-                        (put(state.step), jax.random.wrap_key_data(put(jax.random.key_data(state.rng))),
-                         put(state.skipped)))
+    state = _state(state.model, state.opt_state, *_replicated(state, placement))
     loader = BatchLoader(corpus(), batch_size=BATCH, seq_len=CONFIG.seq_len, seed=seed)
     return placement, state, make_train_step(OPTIMIZER), loader
+
+
+def moved(state: TrainState, placement: ShardedPlacement) -> TrainState:
+    """A copy of `state` resharded onto `placement` (no initialisation to compile)."""
+    state = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, state)  # never alias: steps donate
+    model = placement.place_model(map_constraints(state.model, lambda path, hook: NoConstraint()))
+    # The moments mirror the model's structure, activation hooks (which name the mesh) included:
+    # re-home the same leaves in the structure of the new model's optimizer state.
+    structure = jax.tree.structure(eqx.filter_eval_shape(OPTIMIZER.init, eqx.filter(model, eqx.is_array)))
+    opt_state = jax.tree.unflatten(structure, jax.tree.leaves(state.opt_state))
+    return _state(model, placement.place_opt_state(opt_state, model), *_replicated(state, placement))
+
+
+def _replicated(state: TrainState, placement: ShardedPlacement):
+    """step, rng and skipped replicated on the mesh, as the step returns them (no second compile)."""
+    replicated = NamedSharding(placement.mesh, PartitionSpec())
+    put = lambda x: jax.device_put(np.asarray(x), replicated)  # noqa: E731 (host values: any process count)
+    key = jax.random.wrap_key_data(put(jax.random.key_data(state.rng)))
+    return put(state.step), key, put(state.skipped)
 
 
 def train(state, step_fn, loader, placement, steps: int):

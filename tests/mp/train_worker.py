@@ -21,16 +21,20 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from eqgpt.distributed import check_replicas_agree, check_same_on_all_processes, mesh_fields  # noqa: E402
+from eqgpt.parallel import ShardedPlacement, make_mesh  # noqa: E402
+from eqgpt.train import make_train_step  # noqa: E402
 from eqgpt.train.checkpoint import Checkpointer  # noqa: E402
-from mp.common import BATCH, setup, train  # noqa: E402
+from mp.common import BATCH, OPTIMIZER, moved, setup, train  # noqa: E402
 
 STEPS = 3
 RUNS = {"dp": ("data=8", "dp"), "fsdp+tp": ("fsdp=4,tensor=2", "fsdp+tp")}
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 result = {"process_count": jax.process_count()}
+placement, initial, _, loader = setup(*RUNS["dp"])  # initialised once, then moved to each mesh
 for name, (mesh, strategy) in RUNS.items():
-    placement, state, step_fn, loader = setup(mesh, strategy)
+    placement = ShardedPlacement(make_mesh(mesh), strategy)
+    state, step_fn = moved(initial, placement), make_train_step(OPTIMIZER)
     check_same_on_all_processes({"mesh": mesh_fields(placement.mesh), "strategy": strategy}, "mesh")
     check_replicas_agree(state.model)
     # Each process reads only its rows; the global batch is the whole batch, in order.

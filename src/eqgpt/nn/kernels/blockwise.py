@@ -297,6 +297,12 @@ def blockwise_attention(
     backward pass.
     """
     _check_blocks(block_q, block_k)
+    # Tie positions and segment ids to the activations: in a differentiated scan (the
+    # scanned layers) JAX would otherwise hoist the position-only mask of every tile
+    # out of the loop and keep them all as residuals, a [q_len, k_len] cost.
+    q, k, v, q_pos, k_pos, q_seg, k_seg = jax.lax.optimization_barrier(
+        (q, k, v, q_pos, k_pos, q_seg, k_seg)
+    )
     return _attention(
         mask, _scale(q, scale), block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg
     )

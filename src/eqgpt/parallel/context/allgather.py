@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.kernels.blockwise import blockwise_attention
 from eqgpt.nn.mask import Mask
+from eqgpt.parallel.context.ring import tie_to_activations
 
 
 def allgather_attention(
@@ -42,6 +43,7 @@ def allgather_attention(
     Call inside `jax.shard_map` over `axis`. **Arguments:** as
     `eqgpt.parallel.context.ring_attention`. **Returns:** the local output shard.
     """
+    q, k, v, q_pos, k_pos, q_seg, k_seg = tie_to_activations(q, k, v, q_pos, k_pos, q_seg, k_seg)
     gather = lambda x, dim: jax.lax.all_gather(x, axis, axis=dim, tiled=True)  # noqa: E731
     k_all, v_all, k_pos_all = gather(k, 1), gather(v, 1), gather(k_pos, 0)
     k_seg_all = None if k_seg is None else gather(k_seg, 1)

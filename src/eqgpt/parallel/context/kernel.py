@@ -18,7 +18,8 @@ from typing import Literal
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.mask import Mask

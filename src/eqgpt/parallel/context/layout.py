@@ -23,7 +23,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, Shaped
+from jaxtyping import Array, Shaped
 
 Ordering = Literal["zigzag", "contiguous"]
 ORDERINGS: tuple[str, ...] = ("zigzag", "contiguous")

@@ -87,8 +87,8 @@ def _forward(mask, axis, scale, block_q, block_k, chunks, q, k, v, q_pos, k_pos,
             qi, qp, qs, out_i, lse_i = sl(q), sl(q_pos, 0), sl(q_seg), sl(out), sl(lse)
 
             def compute(_):
-                o, l = blockwise_forward(qi, kj, vj, q_pos=qp, k_pos=kp, q_seg=qs, k_seg=ks, **kw)
-                return merge_partials(out_i, lse_i, o.astype(jnp.float32), l)
+                o, lse_s = blockwise_forward(qi, kj, vj, q_pos=qp, k_pos=kp, q_seg=qs, k_seg=ks, **kw)
+                return merge_partials(out_i, lse_i, o.astype(jnp.float32), lse_s)
 
             out_i, lse_i = jax.lax.cond(
                 shard_may_attend(mask, qp, kp), compute, lambda _: (out_i, lse_i), None
@@ -176,6 +176,19 @@ def _ring_bwd(mask, axis, scale, block_q, block_k, chunks, res, dout):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def tie_to_activations(q, k, v, q_pos, k_pos, q_seg, k_seg):
+    """Make positions and segment ids depend on `q, k, v` (an `optimization_barrier`).
+
+    Inside a differentiated `lax.scan` (the scanned layers of a GPT) JAX's partial
+    evaluation hoists whatever depends only on loop constants out of the loop and
+    keeps it as residuals. The positions are such constants, so every tile's mask
+    (a function of positions alone) would be computed ahead and *stored*, for all
+    tiles of all ring steps: quadratic memory. Tied to the activations, the masks
+    stay inside the kernel's loops, recomputed tile by tile.
+    """
+    return jax.lax.optimization_barrier((q, k, v, q_pos, k_pos, q_seg, k_seg))
+
+
 def _check_chunks(length: int, chunks: int) -> None:
     if chunks < 1 or length % chunks:
         raise ValueError(
@@ -221,6 +234,7 @@ def ring_attention(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     _check_chunks(q.shape[1], q_chunks)
+    q, k, v, q_pos, k_pos, q_seg, k_seg = tie_to_activations(q, k, v, q_pos, k_pos, q_seg, k_seg)
     return _ring(mask, axis, scale, block_q, block_k, q_chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
 
 
@@ -249,4 +263,4 @@ def ring_attention_with_lse(
     return _forward(mask, axis, scale, block_q, block_k, q_chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
 
 
-__all__ = ["ring_attention", "ring_attention_with_lse", "shard_may_attend"]
+__all__ = ["ring_attention", "ring_attention_with_lse", "shard_may_attend", "tie_to_activations"]
