@@ -27,7 +27,7 @@ jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from eqgpt.nn.kernels.blockwise import blockwise_attention  # noqa: E402
 from eqgpt.nn.mask import CausalMask  # noqa: E402
