@@ -234,3 +234,46 @@ def test_two_processes_match_one(jobs, tmp_path):
         # Adam divides by sqrt(v): where gradients are ~0 (some biases), reduction-order noise
         # is amplified up to ~lr-sized steps, so compare against the parameters' scale.
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
+
+
+# --- the documented cluster set-ups (docs/multinode.md) ------------------------------------------
+
+
+def _recipe_config(args):
+    import importlib.util
+
+    import tyro
+
+    spec = importlib.util.spec_from_file_location("recipe_train_gpt_mp", ROOT / "recipes" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return tyro.cli(module.TrainConfig, args=args)
+
+
+def _blocks(kind):
+    import re
+
+    text = (ROOT / "docs" / "multinode.md").read_text()
+    return re.findall(rf"^```{kind}\n(.*?)^```", text, re.S | re.M)
+
+
+def test_documented_sbatch_and_indexed_job():
+    import re
+    import shlex
+
+    sbatch = next(b for b in _blocks("bash") if "#SBATCH" in b)
+    command = shlex.split(re.search(r"^srun .*?(?<!\\)$", sbatch.replace("\\\n", " "), re.M).group(0))
+    cfg = _recipe_config(command[command.index("recipes/train_gpt.py") + 1:])
+    assert cfg.resume and cfg.checkpoint_every == 500 and cfg.mesh == "data=2,fsdp=8"
+    assert "--kill-on-bad-exit=1" in command and "--signal=TERM@120" in sbatch
+    job = next(b for b in _blocks("yaml") if "completionMode: Indexed" in b)
+    command = json.loads(re.search(r"command: (\[.*?\])", job, re.S).group(1))
+    cfg = _recipe_config(command[2:])
+    assert cfg.resume and cfg.mesh == "data=4,fsdp=8"
+    env = dict(re.findall(r"\{name: (EQGPT_\w+), value: \"([^\"]+)\"\}", job))
+    s = resolve_settings(environ={**env, "JOB_COMPLETION_INDEX": "2"})  # what the pod of index 2 sees
+    assert (s.coordinator, s.num_processes, s.process_id) == ("eqgpt-0.eqgpt:12355", 4, 2)
+    from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
+
+    assert f"values: [{PREEMPTED_EXIT_CODE}]" in job  # requeue exactly the preempted runs
