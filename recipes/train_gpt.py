@@ -121,6 +121,10 @@ class TrainConfig:
     """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
     manual: bool = False
     """Manual path (eqgpt.parallel.data.manual_grad_fn): the step runs in shard_map with explicit collectives; --mesh data/tensor axes only, --strategy containing 'sp' adds sequence parallelism."""
+    # --- context parallelism (issue 7: eqgpt.parallel.context)
+    context_attention: Literal["off", "ring", "allgather"] = "off"
+    """Split the sequence over the --mesh 'context' axis (zigzag order) with ring or all-gather attention; seq_len must be a multiple of 2 * context."""
+    # --- end context parallelism
     # --- end parallelism
     # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
     checkpoint_every: int = 0
@@ -165,6 +169,8 @@ def make_placement(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig | None = None):
     if not cfg.mesh:
         if cfg.manual:
             raise ValueError("--manual needs a --mesh, e.g. --mesh data=2,tensor=4.")
+        if cfg.context_attention != "off":  # --- context parallelism (issue 7)
+            raise ValueError("--context-attention needs a --mesh with a context axis, e.g. --mesh context=4,data=2.")
         return SingleDevice()
     from eqgpt import parallel as par
 
@@ -173,7 +179,15 @@ def make_placement(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig | None = None):
 
         return manual_placement(par.make_mesh(cfg.mesh), model_cfg or cfg.model.build())
 
-    placement = par.ShardedPlacement(par.make_mesh(cfg.mesh), cfg.strategy)
+    rules = cfg.strategy
+    if cfg.context_attention != "off":  # --- context parallelism (issue 7)
+        from eqgpt.parallel import context as cp
+
+        if cfg.manual:
+            raise ValueError("--context-attention runs on the automatic path; drop --manual.")
+        rules = cp.context_rules(cfg.strategy)
+        cp.check_layout((model_cfg or cfg.model.build()).seq_len, par.make_mesh(cfg.mesh).shape["context"], "zigzag")
+    placement = par.ShardedPlacement(par.make_mesh(cfg.mesh), rules)
     if model_cfg is not None:  # sizes the mesh cannot split fail here, before anything compiles
         par.check_divisibility(model_cfg, placement.mesh, placement.rules,
                                cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)
@@ -210,7 +224,14 @@ def main(cfg: TrainConfig) -> dict:
         decay_norms_and_biases=cfg.optim.decay_norms_and_biases,
     )
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
-    model = placement.init_model(lambda k: GPT(model_cfg, key=k), key_model)
+    make_model = lambda k: GPT(model_cfg, key=k)  # noqa: E731
+    if cfg.context_attention != "off":  # --- context parallelism (issue 7): ring / all-gather kernels
+        from eqgpt.parallel import context as cp
+
+        block = min(128, model_cfg.seq_len // (2 * placement.mesh.shape["context"]))
+        make_model = lambda k: cp.use_context_attention(  # noqa: E731
+            GPT(model_cfg, key=k), placement.mesh, cfg.context_attention, block_q=block, block_k=block)
+    model = placement.init_model(make_model, key_model)
     state = TrainState(model, placement.init_opt_state(optimizer, model), rng=key_state)
     # --- checkpoints and multi-process runs
     if jax.process_count() > 1:  # every process must hold what process 0 holds, or stop now
@@ -238,6 +259,10 @@ def main(cfg: TrainConfig) -> dict:
 
         grad_fn = manual_grad_fn(model, placement.mesh, compute_dtype=policy.compute_dtype,
                                  sequence_parallel="sp" in cfg.strategy.split("+"))
+    eval_fn = make_eval_fn(policy=policy)
+    if cfg.context_attention != "off":  # --- context parallelism (issue 7): zigzag batches, sharded loss
+        grad_fn = cp.context_grad_fn(placement.mesh, policy=policy)
+        eval_fn = make_eval_fn(cp.context_loss_fn(placement.mesh), policy=policy)
     step_fn = make_train_step(optimizer, grad_fn=grad_fn, accum_steps=cfg.accum_steps, policy=policy)
     loader = BatchLoader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed)
     val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
@@ -259,7 +284,7 @@ def main(cfg: TrainConfig) -> dict:
         step_fn, state, loader, placement, val_windows=val, schedule=schedule,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every,
                              out_dir=out, progress=cfg.progress),
-        flops_per_token=flops_per_token(model_cfg), peak_flops=peak, eval_fn=make_eval_fn(policy=policy),
+        flops_per_token=flops_per_token(model_cfg), peak_flops=peak, eval_fn=eval_fn,
         checkpointer=checkpointer,
     )
     state = trainer.run()
@@ -270,7 +295,10 @@ def main(cfg: TrainConfig) -> dict:
             print(f"stopped at step {summary['steps']} by signal {trainer.stop_signal}; rerun with --resume "
                   f"to continue (exit status {PREEMPTED_EXIT_CODE})", flush=True)
         return summary
-    save_model(out, state.model)
+    saved = state.model
+    if cfg.context_attention != "off":  # --- context parallelism (issue 7): save the plain GPT
+        saved = cp.strip_context_attention(saved)
+    save_model(out, saved)
     if is_main:
         plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name}")
 
