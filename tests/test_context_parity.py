@@ -23,7 +23,19 @@ from eqgpt.parallel.context import (
     use_context_attention,
 )
 from parallel_cases import OPTIMIZER, OPTIONS, arrays, batches, reference_model, reference_run
-from test_parallel_parity import assert_same_training
+
+# As in test_parallel_parity: GPT-2's key bias has an exact gradient of zero (softmax
+# ignores a per-query constant), so its values are Adam-amplified rounding noise.
+NOISE_ONLY = {"blocks.attn.k_proj.bias": 2e-5}
+
+
+def assert_same_training(ref, out):
+    """Per-step losses within rtol 1e-5, every final parameter within rtol 1e-5, atol 1e-6."""
+    np.testing.assert_allclose(out[0], ref[0], rtol=1e-5, atol=0)
+    assert len(out[0]) == 5 and ref[0][-1] < ref[0][0]
+    assert out[1].keys() == ref[1].keys()
+    for path, want in ref[1].items():
+        np.testing.assert_allclose(out[1][path], want, rtol=1e-5, atol=NOISE_ONLY.get(path, 1e-6), err_msg=path)
 
 CASES = [
     # (model, mesh, base strategy, kernel)

@@ -12,10 +12,11 @@ step s = 0 .. n-1:   device i holds the k/v shard of device (i - s) mod n
 ```
 
 The receive for step `s+1` is issued before the compute of step `s`, so the two
-can overlap. A step whose whole key shard is masked out for the whole query shard
-(`shard_may_attend`, from positions) is skipped with `lax.cond`;
-inside a step, the blockwise kernel skips masked tiles the same way. Every device
-joins every `ppermute` whichever branch it takes.
+can overlap. Within a step the local queries are processed in `q_chunks` chunks
+(so the blockwise kernel's temporaries are chunk-sized), and a chunk that no key
+of the visiting shard can reach (`shard_may_attend`, from positions) is skipped
+with `lax.cond`; inside a chunk, the blockwise kernel skips masked tiles the same
+way. Every device joins every `ppermute` whichever branch it takes.
 
 The backward pass (a `jax.custom_vjp`) keeps only `q, k, v`, the merged output and
 its fp32 log-sum-exp, and runs the ring again: at each step
@@ -36,6 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.kernels.blockwise import blockwise_backward, blockwise_forward, merge_partials
 from eqgpt.nn.mask import Mask
+from eqgpt.parallel.collectives import ring_shift
 
 # Finite stand-in for -inf, as in the blockwise kernel: the LSE of rows with no key.
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -57,10 +59,8 @@ def shard_may_attend(
 
 
 def _shift(tree, axis: str):
-    """Send every leaf to the next device of the ring (i -> i+1 mod n)."""
-    n = jax.lax.axis_size(axis)
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
+    """Send every leaf to the next device of the ring (i -> i+1 mod n): one `ppermute` each."""
+    return jax.tree.map(lambda x: ring_shift(x, axis, shift=1), tree)
 
 
 def _slicer(i, size):
