@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ class TrainConfig:
     # --- end parallelism
     # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
     checkpoint_every: int = 0
-    """Steps between checkpoints (0: none). With checkpoints (or --resume) a run also saves at the end and on SIGTERM/SIGINT, then exits with status 75."""
+    """Steps between checkpoints (0: none). With checkpoints (or --resume) a run also saves at the end and on SIGTERM/SIGINT. A stopped run exits with status 75 (SIGTERM: at once; Ctrl-C: after its samples and plots)."""
     checkpoint_dir: Path | None = None
     """Checkpoint directory (default: out_dir/checkpoints)."""
     checkpoint_keep: int = 3
@@ -288,7 +289,7 @@ def main(cfg: TrainConfig) -> dict:
         checkpointer=checkpointer,
     )
     state = trainer.run()
-    if trainer.interrupted:  # SIGTERM/SIGINT: the checkpoint is written; leave within the grace period
+    if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace period
         summary = {"steps": int(state.step), "interrupted": True, "seconds": time.perf_counter() - t0}
         if is_main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from eqgpt.nn import GPT
 from eqgpt.parallel import ShardedPlacement, make_mesh
-from eqgpt.train import SingleDevice, TrainState
+from eqgpt.train import TrainState
 from eqgpt.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -29,19 +29,19 @@ from eqgpt.train.checkpoint import (
     named_leaves,
 )
 from helpers import TINY
+from mp.common import host_model
 
 HERE = Path(__file__).parent
 OPT = optax.adamw(1e-3)
 
 
-def make_state(config=TINY, optimizer=OPT, seed=0):
-    """A TrainState on one device (built once per config: model initialisation compiles)."""
-    key = (config, id(optimizer), seed)
-    if key not in _STATES:
-        model = SingleDevice().init_model(lambda k: GPT(config, key=k), jax.random.key(seed))
-        _STATES[key] = TrainState(model, SingleDevice().init_opt_state(optimizer, model), 7,
-                                  rng=jax.random.key(seed + 1))
-    return _STATES[key]
+def make_state(optimizer=OPT):
+    """A TinyGPT TrainState on one device (values drawn on the host: nothing to compile)."""
+    if optimizer not in _STATES:
+        model = jax.device_put(host_model())
+        _STATES[optimizer] = TrainState(model, optimizer.init(eqx.filter(model, eqx.is_array)), 7,
+                                        rng=jax.random.key(1))
+    return _STATES[optimizer]
 
 
 _STATES: dict = {}

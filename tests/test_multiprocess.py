@@ -6,6 +6,7 @@ is killed (with its process group) when a test ends early.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -207,7 +208,7 @@ def test_mismatches_stop_every_process(jobs):
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one(jobs, tmp_path):
-    job = jobs(launch(2, 4, MP / "train_worker.py", str(tmp_path / "ckpt")), launcher=True)
+    job = jobs(launch(2, 4, MP / "train_worker.py", str(tmp_path / "job")), launcher=True)
     from eqgpt.train.checkpoint import Checkpointer
     from mp.common import setup, target, train
 
@@ -225,9 +226,16 @@ def test_two_processes_match_one(jobs, tmp_path):
         np.testing.assert_allclose(got[name], reference, rtol=2e-6, err_msg=name)
         assert got[name][-1] < got[name][0]
     # The checkpoint written by two processes (each its own shards) restores in one.
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "3" / "state").glob("ocdbt.process_*")) == [
+    assert (tmp_path / "job" / "outputs-of-0" / "metrics.jsonl").is_file()  # process 0 logs ...
+    assert not (tmp_path / "job" / "outputs-of-1" / "metrics.jsonl").exists()  # ... the others do not
+    assert sorted(p.name for p in (tmp_path / "job" / "ckpt" / "3" / "state").glob("ocdbt.process_*")) == [
         "ocdbt.process_0", "ocdbt.process_1"]
-    restored = Checkpointer(tmp_path / "ckpt").restore(target(final, placement))
+    stops = re.findall(r"\[rank (\d)\] STOPPED process \1 at step (\d+) interrupted=True", out)
+    assert len(stops) == 2 and stops[0][1] == stops[1][1], out[-3000:]  # the same step in both
+    preempted = int(stops[0][1])
+    assert steps + 2 < preempted < steps + 50
+    assert Checkpointer(tmp_path / "job" / "ckpt").steps() == [steps, preempted]
+    restored = Checkpointer(tmp_path / "job" / "ckpt").restore(target(final, placement), step=steps)
     assert restored.step == steps and restored.extras["data"] == {"seed": 0, "step": steps}
     for a, b in zip(jax.tree.leaves(eqx.filter(restored.state.model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(final.model, eqx.is_array)), strict=True):

@@ -74,18 +74,17 @@ def setup(mesh: str, strategy: str, seed: int = 0):
     state = TrainState(model, placement.init_opt_state(OPTIMIZER, model), rng=key_state)
     state = _state(state.model, state.opt_state, *_replicated(state, placement))
     loader = BatchLoader(corpus(), batch_size=BATCH, seq_len=CONFIG.seq_len, seed=seed)
-    return placement, state, make_train_step(OPTIMIZER), loader
+    return placement, state, step_fn(), loader
 
 
-def moved(state: TrainState, placement: ShardedPlacement) -> TrainState:
-    """A copy of `state` resharded onto `placement` (no initialisation to compile)."""
-    state = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, state)  # never alias: steps donate
-    model = placement.place_model(map_constraints(state.model, lambda path, hook: NoConstraint()))
-    # The moments mirror the model's structure, activation hooks (which name the mesh) included:
-    # re-home the same leaves in the structure of the new model's optimizer state.
-    structure = jax.tree.structure(eqx.filter_eval_shape(OPTIMIZER.init, eqx.filter(model, eqx.is_array)))
-    opt_state = jax.tree.unflatten(structure, jax.tree.leaves(state.opt_state))
-    return _state(model, placement.place_opt_state(opt_state, model), *_replicated(state, placement))
+_STEP = []
+
+
+def step_fn():
+    """One compiled step per process: runs with the same shardings share its compilation."""
+    if not _STEP:
+        _STEP.append(make_train_step(OPTIMIZER))
+    return _STEP[0]
 
 
 def _replicated(state: TrainState, placement: ShardedPlacement):

@@ -1,12 +1,17 @@
 """A multi-process training worker: `python -m eqgpt.launch --nproc 2 --devices-per-proc 4 -- train_worker.py DIR`.
 
 For each strategy it trains a few steps on the global mesh of all processes'
-devices, checks that this process loaded only its rows of each batch, and
-process 0 prints `RESULT {...}` with the losses. After the last strategy every
-process writes its shards of checkpoint STEPS into DIR.
+devices (dp in a plain loop, fsdp+tp with the `Trainer`), checks that this
+process loaded only its rows of each batch, and process 0 prints `RESULT {...}`
+with the losses. The Trainer writes checkpoint STEPS into DIR/ckpt (every
+process its own shards) and metrics into DIR/outputs-of-<rank> (process 0 only).
+Then training goes on until process 1 alone gets SIGTERM: both processes must
+stop after the same step and write that checkpoint.
 """
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,21 +25,20 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
+from eqgpt.data import BatchLoader  # noqa: E402
 from eqgpt.distributed import check_replicas_agree, check_same_on_all_processes, mesh_fields  # noqa: E402
-from eqgpt.parallel import ShardedPlacement, make_mesh  # noqa: E402
-from eqgpt.train import make_train_step  # noqa: E402
+from eqgpt.train import Trainer, TrainerConfig  # noqa: E402
 from eqgpt.train.checkpoint import Checkpointer  # noqa: E402
-from mp.common import BATCH, OPTIMIZER, moved, setup, train  # noqa: E402
+from mp.common import BATCH, setup, train  # noqa: E402
 
 STEPS = 3
+out = Path(sys.argv[1])
 RUNS = {"dp": ("data=8", "dp"), "fsdp+tp": ("fsdp=4,tensor=2", "fsdp+tp")}
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 result = {"process_count": jax.process_count()}
-placement, initial, _, loader = setup(*RUNS["dp"])  # initialised once, then moved to each mesh
 for name, (mesh, strategy) in RUNS.items():
-    placement = ShardedPlacement(make_mesh(mesh), strategy)
-    state, step_fn = moved(initial, placement), make_train_step(OPTIMIZER)
+    placement, state, step_fn, loader = setup(mesh, strategy)
     check_same_on_all_processes({"mesh": mesh_fields(placement.mesh), "strategy": strategy}, "mesh")
     check_replicas_agree(state.model)
     # Each process reads only its rows; the global batch is the whole batch, in order.
@@ -45,11 +49,32 @@ for name, (mesh, strategy) in RUNS.items():
     whole = np.asarray(multihost_utils.process_allgather(placement.batch(local), tiled=True))
     rows = np.stack([loader.tokens[o: o + loader.seq_len + 1] for o in loader.offsets(0)])
     assert np.array_equal(whole, rows), "the global batch is not the concatenation of the processes' rows"
-    state, losses = train(state, step_fn, loader, placement, STEPS)
-    result[name] = losses
+    if name == "dp":
+        state, result[name] = train(state, step_fn, loader, placement, STEPS)
+    else:  # the library's Trainer: only process 0 writes metrics; every process writes its shards
+        config = TrainerConfig(steps=STEPS, log_every=1, eval_every=0, progress=True,
+                               out_dir=out / f"outputs-of-{jax.process_index()}")
+        t = Trainer(step_fn, state, loader, placement, config=config,
+                    checkpointer=Checkpointer(out / "ckpt", every=STEPS, config={"run": name}))
+        t.run()
+        result[name] = [row["loss"] for row in t.history.rows if "loss" in row]
 
-with Checkpointer(sys.argv[1], every=STEPS, config={"run": "fsdp+tp"}) as ck:
-    ck.save(STEPS, state, extras={"data": {"seed": 0, "step": STEPS}})
-    ck.wait()
+# Preemption: only process 1 gets SIGTERM (JAX's notifier catches it); both must stop at one step.
+SIGNAL_AT = STEPS + 2
+
+
+class SignalAt(BatchLoader):
+    def local_batch(self, step):
+        if step == SIGNAL_AT and jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().local_batch(step)
+
+
+loader = SignalAt(loader.tokens, batch_size=loader.batch_size, seq_len=loader.seq_len, seed=loader.seed)
+t = Trainer(step_fn, t.state, loader, placement, config=TrainerConfig(steps=STEPS + 50, log_every=1, eval_every=0,
+                                                                     progress=False),
+            checkpointer=Checkpointer(out / "ckpt", every=1000, config={"run": "fsdp+tp"}))
+state = t.run()
+print(f"STOPPED process {jax.process_index()} at step {int(state.step)} interrupted={t.interrupted}", flush=True)
 if jax.process_index() == 0:
     print("RESULT " + json.dumps(result), flush=True)

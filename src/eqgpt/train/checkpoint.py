@@ -82,6 +82,9 @@ def named_leaves(tree: PyTree) -> dict[str, Any]:
     """`{dotted name: leaf}` for every leaf of `tree` (arrays, abstract arrays and Python scalars)."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if any("." in _key_name(k) for k in path):
+            raise ValueError(f"state key path {path} has a '.' in a key; checkpoints name arrays by "
+                             "dotted paths, so rename that key.")
         name = leaf_name(path)
         if name in out:
             raise ValueError(f"two leaves of the state share the name {name!r}; rename one field.")
