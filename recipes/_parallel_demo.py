@@ -1,4 +1,4 @@
-"""Shared by the strategy recipes (dp.py, fsdp.py, tp.py, sp.py, custom_rules.py).
+"""Shared by the parallel recipes (dp, fsdp, tp, sp, custom_rules, manual_tp, pipeline, context).
 
 Importing it first gives JAX 8 simulated CPU devices (when no accelerator is
 asked for). `train(mesh, rules)` then does what every recipe shows: place the

@@ -14,27 +14,20 @@ step, so causal work is the same on every device. See docs/parallelism/context.m
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
+from typing import Literal
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported: 8 simulated CPU devices
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+import equinox as eqx
+import jax
+import optax
+import tyro
 
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
-
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import optax  # noqa: E402
-import tyro  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
-
-import eqgpt  # noqa: E402
-from _parallel_demo import text_batches  # noqa: E402
-from eqgpt import nn  # noqa: E402
-from eqgpt import parallel as par  # noqa: E402
-from eqgpt.parallel import context as cp  # noqa: E402
-from eqgpt.profile import report  # noqa: E402
+import eqgpt
+from _parallel_demo import text_batches  # also sets up 8 simulated CPU devices
+from eqgpt import nn
+from eqgpt import parallel as par
+from eqgpt.parallel import context as cp
+from eqgpt.profile import report
 
 
 @dataclass

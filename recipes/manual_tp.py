@@ -14,32 +14,22 @@ compiled step's collective table.
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+import equinox as eqx
+import jax
+import optax
+import tyro
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
-
-import json  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import equinox as eqx  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import tyro  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import eqgpt  # noqa: E402
-from eqgpt import nn  # noqa: E402
-from eqgpt import parallel as par  # noqa: E402
-from eqgpt.parallel.data import manual_grad_fn, manual_specs  # noqa: E402
-from eqgpt.parallel.shard_map import place  # noqa: E402
-from eqgpt.profile import collective_table  # noqa: E402
+import eqgpt
+from _parallel_demo import text_batches  # also sets up 8 simulated CPU devices
+from eqgpt import nn
+from eqgpt import parallel as par
+from eqgpt.parallel.data import manual_grad_fn, manual_specs
+from eqgpt.parallel.shard_map import place
+from eqgpt.profile import collective_table
 
 
 @dataclass
@@ -55,15 +45,6 @@ class Args:
     steps: int = 5
     batch: int = 8
     seq: int = 64
-
-
-def text_batches(steps: int, batch: int, seq: int) -> list[np.ndarray]:
-    """`[batch, seq + 1]` byte windows of the standard library's `json` package."""
-    root = Path(json.__file__).parent
-    data = np.frombuffer(b"".join(p.read_bytes() for p in sorted(root.glob("*.py"))), np.uint8)
-    rng = np.random.default_rng(0)
-    return [np.stack([data[s: s + seq + 1] for s in rng.integers(0, len(data) - seq - 1, batch)]).astype(np.int32)
-            for _ in range(steps)]
 
 
 def main(args: Args) -> list[float]:

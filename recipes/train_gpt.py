@@ -122,10 +122,8 @@ class TrainConfig:
     """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
     manual: bool = False
     """Manual path (eqgpt.parallel.data.manual_grad_fn): the step runs in shard_map with explicit collectives; --mesh data/tensor axes only, --strategy containing 'sp' adds sequence parallelism."""
-    # --- context parallelism (issue 7: eqgpt.parallel.context)
     context_attention: Literal["off", "ring", "allgather"] = "off"
     """Split the sequence over the --mesh 'context' axis (zigzag order) with ring or all-gather attention; seq_len must be a multiple of 2 * context."""
-    # --- end context parallelism
     # --- end parallelism
     # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
     checkpoint_every: int = 0
@@ -170,25 +168,26 @@ def make_placement(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig | None = None):
     if not cfg.mesh:
         if cfg.manual:
             raise ValueError("--manual needs a --mesh, e.g. --mesh data=2,tensor=4.")
-        if cfg.context_attention != "off":  # --- context parallelism (issue 7)
+        if cfg.context_attention != "off":
             raise ValueError("--context-attention needs a --mesh with a context axis, e.g. --mesh context=4,data=2.")
         return SingleDevice()
     from eqgpt import parallel as par
 
-    if cfg.manual:  # --- manual path (issue 5): layout of eqgpt.parallel.data.manual_specs
+    mesh = par.make_mesh(cfg.mesh)
+    if cfg.manual and cfg.context_attention != "off":
+        raise ValueError("--context-attention runs on the automatic path; drop --manual.")
+    if cfg.manual:  # manual path: layout of eqgpt.parallel.data.manual_specs
         from eqgpt.parallel.data import manual_placement
 
-        return manual_placement(par.make_mesh(cfg.mesh), model_cfg or cfg.model.build())
+        return manual_placement(mesh, model_cfg or cfg.model.build())
 
     rules = cfg.strategy
-    if cfg.context_attention != "off":  # --- context parallelism (issue 7)
+    if cfg.context_attention != "off":
         from eqgpt.parallel import context as cp
 
-        if cfg.manual:
-            raise ValueError("--context-attention runs on the automatic path; drop --manual.")
         rules = cp.context_rules(cfg.strategy)
-        cp.check_layout((model_cfg or cfg.model.build()).seq_len, par.make_mesh(cfg.mesh).shape["context"], "zigzag")
-    placement = par.ShardedPlacement(par.make_mesh(cfg.mesh), rules)
+        cp.check_layout((model_cfg or cfg.model.build()).seq_len, mesh.shape["context"], "zigzag")
+    placement = par.ShardedPlacement(mesh, rules)
     if model_cfg is not None:  # sizes the mesh cannot split fail here, before anything compiles
         par.check_divisibility(model_cfg, placement.mesh, placement.rules,
                                cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)
@@ -226,7 +225,7 @@ def main(cfg: TrainConfig) -> dict:
     )
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
     make_model = lambda k: GPT(model_cfg, key=k)  # noqa: E731
-    if cfg.context_attention != "off":  # --- context parallelism (issue 7): ring / all-gather kernels
+    if cfg.context_attention != "off":  # context parallelism: ring / all-gather kernels
         from eqgpt.parallel import context as cp
 
         block = min(128, model_cfg.seq_len // (2 * placement.mesh.shape["context"]))
@@ -255,13 +254,13 @@ def main(cfg: TrainConfig) -> dict:
             print(f"--resume: no checkpoint in {checkpointer.directory}; starting at step 0", flush=True)
     # --- end checkpoints and multi-process runs
     grad_fn = None
-    if cfg.manual:  # --- manual path (issue 5): explicit collectives under shard_map
+    if cfg.manual:  # manual path: explicit collectives under shard_map
         from eqgpt.parallel.data import manual_grad_fn
 
         grad_fn = manual_grad_fn(model, placement.mesh, compute_dtype=policy.compute_dtype,
                                  sequence_parallel="sp" in cfg.strategy.split("+"))
     eval_fn = make_eval_fn(policy=policy)
-    if cfg.context_attention != "off":  # --- context parallelism (issue 7): zigzag batches, sharded loss
+    if cfg.context_attention != "off":  # context parallelism: zigzag batches, sharded loss
         grad_fn = cp.context_grad_fn(placement.mesh, policy=policy)
         eval_fn = make_eval_fn(cp.context_loss_fn(placement.mesh), policy=policy)
     step_fn = make_train_step(optimizer, grad_fn=grad_fn, accum_steps=cfg.accum_steps, policy=policy)
@@ -297,7 +296,7 @@ def main(cfg: TrainConfig) -> dict:
                   f"to continue (exit status {PREEMPTED_EXIT_CODE})", flush=True)
         return summary
     saved = state.model
-    if cfg.context_attention != "off":  # --- context parallelism (issue 7): save the plain GPT
+    if cfg.context_attention != "off":  # context parallelism: save the plain GPT
         saved = cp.strip_context_attention(saved)
     save_model(out, saved)
     if is_main:

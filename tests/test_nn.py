@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, TINY_LLAMA, assert_trees_close, tokens
 from jaxtyping import TypeCheckError
 
 import eqgpt
 from eqgpt import nn
+from helpers import TINY, TINY_LLAMA, assert_trees_close, tokens
 
 
 def n_params(model):

@@ -14,6 +14,58 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
+def dense_cross_entropy(
+    logits: Float[Array, "*batch vocab"], targets: Int[Array, "*batch"]
+) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
+    """Per-position `(nll, lse)` of full logits, in fp32."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
+
+
+def chunked_loss_sums(
+    logits_fn: Callable[[Array], Array],
+    hidden: Float[Array, "batch seq embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    loss_mask: Float[Array, "batch seq"] | None = None,
+    chunk_size: int = 128,
+    cross_entropy: Callable[[Array, Array], tuple[Array, Array]] = dense_cross_entropy,
+) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
+    """Masked sums of the NLL and of `lse^2`, and the token count, one chunk at a time.
+
+    The sequence is padded to a multiple of `chunk_size` and scanned in chunks
+    under `jax.checkpoint`, so only one `[batch, chunk, vocab]` slab of logits is
+    alive in the forward or the backward pass. Per-chunk sums leave the scan as
+    stacked outputs, not a carry, so the same code runs inside `shard_map`.
+
+    **Arguments:** `logits_fn` (the head), `hidden`, `targets`, `loss_mask` and
+    `chunk_size` as `chunked_cross_entropy`; `cross_entropy(logits, targets) ->
+    (nll, lse)` per position (dense by default; vocabulary-parallel under manual TP).
+
+    **Returns:** `(nll_sum, z_sum, count)`.
+    """
+    b, t, _ = hidden.shape
+    mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
+    c = min(chunk_size, t)
+    pad = (-t) % c
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))
+    n = (t + pad) // c
+    split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)  # noqa: E731
+
+    @jax.checkpoint
+    def chunk(_, xs):
+        h, y, m = xs
+        nll, lse = cross_entropy(logits_fn(h), y)
+        return None, (jnp.sum(nll * m), jnp.sum(jnp.square(lse) * m))
+
+    _, (nll, z) = jax.lax.scan(chunk, None, (split(hidden), split(targets), split(mask)))
+    return jnp.sum(nll), jnp.sum(z), jnp.sum(mask)
+
+
 def chunked_cross_entropy(
     logits_fn: Callable[[Array], Array],
     hidden: Float[Array, "batch seq embed"],
@@ -35,31 +87,10 @@ def chunked_cross_entropy(
 
     **Returns:** `(loss, {"nll": ..., "z_loss": ...})`; `loss = nll + z_loss * z`.
     """
-    b, t, d = hidden.shape
-    mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
-    c = min(chunk_size, t)
-    pad = (-t) % c
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        mask = jnp.pad(mask, ((0, 0), (0, pad)))
-    n = (t + pad) // c
-    split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)  # noqa: E731
-
-    @jax.checkpoint
-    def chunk(carry, xs):
-        h, y, m = xs
-        logits = logits_fn(h).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        nll, z = carry
-        return (nll + jnp.sum((lse - picked) * m), z + jnp.sum(jnp.square(lse) * m)), None
-
-    # Zeros shaped like the inputs' scalars: inside `shard_map` they carry the inputs'
-    # varying-axes type, as the scan carry must (outside it this is just 0.0).
-    zero = sum(jnp.zeros_like(a, jnp.float32, shape=()) for a in (hidden, targets, mask))
-    (nll, z), _ = jax.lax.scan(chunk, (zero, zero), (split(hidden), split(targets), split(mask)))
-    count = jnp.maximum(jnp.sum(mask), 1.0)
+    nll, z, count = chunked_loss_sums(
+        logits_fn, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size
+    )
+    count = jnp.maximum(count, 1.0)
     nll, z = nll / count, z / count
     return nll + z_loss * z, {"nll": nll, "z_loss": z}
 

@@ -33,6 +33,7 @@ from eqgpt.nn.attention import Attention
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.kernels import get_kernel
 from eqgpt.nn.linear import Linear
+from eqgpt.nn.loss import chunked_loss_sums
 from eqgpt.nn.mlp import MLP, SwiGLU
 from eqgpt.nn.rope import apply_rope
 from eqgpt.parallel.collectives import (
@@ -44,7 +45,7 @@ from eqgpt.parallel.collectives import (
     to_varying,
 )
 from eqgpt.parallel.rules import TP, Rules
-from eqgpt.parallel.sequence import gather_sequence, scatter_sequence
+from eqgpt.parallel.sequence import gather_sequence, scatter_sequence, shard_sequence
 from eqgpt.parallel.shard import path_str
 from eqgpt.parallel.shard_map import specs_from_rules
 
@@ -328,11 +329,9 @@ def vocab_parallel_loss_sums(
     if not isinstance(embed, VocabParallelEmbedding):
         raise ValueError("vocab_parallel_loss_sums needs a model wrapped by tensor_parallel(...).")
     axis, sp = embed.axis, embed.sequence_parallel
-    b, t = tokens.shape
+    t = tokens.shape[1]
     positions = jnp.arange(t)
     if sp:
-        from eqgpt.parallel.sequence import shard_sequence
-
         seg = None if segment_ids is None else shard_sequence(segment_ids, axis)
         hidden = model.features(
             shard_sequence(tokens, axis), positions=shard_sequence(positions[None], axis)[0], segment_ids=seg
@@ -340,28 +339,12 @@ def vocab_parallel_loss_sums(
         hidden = gather_sequence(hidden, axis)
     else:
         hidden = copy_to_tensor(model.features(tokens, segment_ids=segment_ids), axis)
-    head = (lambda h: embed.attend(h)) if model.head is None else model.head
-    mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
-    c = min(chunk_size, t)
-    pad = (-t) % c
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        mask = jnp.pad(mask, ((0, 0), (0, pad)))
-    chunks = (t + pad) // c
-    split = lambda a: jnp.moveaxis(a.reshape(b, chunks, c, *a.shape[2:]), 1, 0)  # noqa: E731
+    head = embed.attend if model.head is None else model.head
     start = embed.vocab_start()
-
-    @jax.checkpoint
-    def chunk(_, xs):
-        h, y, w = xs
-        nll, lse = vocab_parallel_cross_entropy(head(h), y, start, axis)
-        return None, (jnp.sum(nll * w), jnp.sum(jnp.square(lse) * w))
-
-    # Per-chunk sums come out as stacked results, not a carry: a carry would need
-    # its varying/invariant type fixed before the loop.
-    _, (nll, z) = jax.lax.scan(chunk, None, (split(hidden), split(targets), split(mask)))
-    return jnp.sum(nll), jnp.sum(z), jnp.sum(mask)
+    return chunked_loss_sums(
+        head, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size,
+        cross_entropy=lambda logits, y: vocab_parallel_cross_entropy(logits, y, start, axis),
+    )
 
 
 # ------------------------------------------------------------------ wrapping

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from eqgpt.profile.text import table_text
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 SLICED = "all-reduce+slice"
 
@@ -494,7 +496,6 @@ def collective_table(
     With `mesh`, the groups are named by mesh axes; without, HLO's replica groups are
     shown. `by_phase` splits forward and backward rows (JAX's op names say which).
     """
-    from rich.console import Console
     from rich.table import Table
 
     rows = collective_summary(compiled, mesh=mesh, by_phase=by_phase)
@@ -513,17 +514,7 @@ def collective_table(
         table.add_row(*([r.phase] if by_phase else []), *cells)
     if not rows:
         table.add_row(*([""] if by_phase else []), "(none)", "", "", "", "", "")
-    console = Console(width=160, record=True, file=_Null())
-    console.print(table)
-    return console.export_text()
-
-
-class _Null:
-    def write(self, _s: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
+    return table_text(table, width=160)
 
 
 __all__ = [

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from eqgpt.profile.text import table_text
+
 
 @dataclass(frozen=True)
 class MemoryReport:
@@ -71,7 +73,6 @@ def memory(compiled: Any) -> MemoryReport:
 
 def memory_table(compiled: Any, *, title: str = "memory per device") -> str:
     """A printable table (rich) of `memory(compiled)`."""
-    from rich.console import Console
     from rich.table import Table
 
     report = compiled if isinstance(compiled, MemoryReport) else memory(compiled)
@@ -81,17 +82,7 @@ def memory_table(compiled: Any, *, title: str = "memory per device") -> str:
     table.add_column("MiB", justify="right")
     for name, value in report.rows():
         table.add_row(name, str(value), f"{value / 2**20:.3f}")
-    console = Console(width=100, record=True, file=_Null())
-    console.print(table)
-    return console.export_text()
-
-
-class _Null:
-    def write(self, _s: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
+    return table_text(table, width=100)
 
 
 __all__ = ["MemoryReport", "memory", "memory_table"]
