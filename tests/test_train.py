@@ -1,5 +1,7 @@
 """Training: loss goes down, accumulation == big batch, the non-finite guard, decay mask, FLOPs."""
 
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -139,3 +141,15 @@ def test_export_round_trip(tmp_path):
     assert_trees_close(eqx.filter(model, eqx.is_array), eqx.filter(loaded, eqx.is_array), rtol=0, atol=0)
     with pytest.raises(ValueError, match="not found"):
         load_model(tmp_path / "nothing")
+
+
+def test_loss_plot_is_optional(tmp_path, monkeypatch, capsys):
+    from eqgpt.train.trainer import History, plot_history
+
+    history = History([{"step": 0, "loss": 5.0, "val_loss": 5.1}, {"step": 1, "loss": 4.0}])
+    assert plot_history(history, tmp_path / "with.png") == tmp_path / "with.png"
+    assert (tmp_path / "with.png").stat().st_size > 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert plot_history(history, tmp_path / "without.png") is None
+    assert not (tmp_path / "without.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().out

@@ -93,6 +93,19 @@ def _varying_zero(*xs) -> Array:
     return sum(jnp.zeros_like(x, jnp.float32, shape=()) for x in xs if x is not None)
 
 
+def tie_to_activations(q, k, v, q_pos, k_pos, q_seg, k_seg):
+    """Make positions and segment ids depend on `q, k, v` (an `optimization_barrier`).
+
+    Inside a differentiated `lax.scan` (the scanned layers of a GPT) JAX's partial
+    evaluation hoists whatever depends only on loop constants out of the loop and
+    keeps it as residuals. Positions are such constants, so every tile's mask (a
+    function of positions alone) would be computed ahead and *stored*: quadratic
+    memory. Tied to the activations, masks stay inside the kernel's loops.
+    Every blockwise-style kernel (this one, ring and all-gather attention) calls it.
+    """
+    return jax.lax.optimization_barrier((q, k, v, q_pos, k_pos, q_seg, k_seg))
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -297,12 +310,7 @@ def blockwise_attention(
     backward pass.
     """
     _check_blocks(block_q, block_k)
-    # Tie positions and segment ids to the activations: in a differentiated scan (the
-    # scanned layers) JAX would otherwise hoist the position-only mask of every tile
-    # out of the loop and keep them all as residuals, a [q_len, k_len] cost.
-    q, k, v, q_pos, k_pos, q_seg, k_seg = jax.lax.optimization_barrier(
-        (q, k, v, q_pos, k_pos, q_seg, k_seg)
-    )
+    q, k, v, q_pos, k_pos, q_seg, k_seg = tie_to_activations(q, k, v, q_pos, k_pos, q_seg, k_seg)
     return _attention(
         mask, _scale(q, scale), block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg
     )

@@ -15,12 +15,11 @@ sequence's keys and values.
 
 from __future__ import annotations
 
-import jax
 from jaxtyping import Array, Float, Int
 
-from eqgpt.nn.kernels.blockwise import blockwise_attention
+from eqgpt.nn.kernels.blockwise import blockwise_attention, tie_to_activations
 from eqgpt.nn.mask import Mask
-from eqgpt.parallel.context.ring import tie_to_activations
+from eqgpt.parallel.collectives import all_gather
 
 
 def allgather_attention(
@@ -44,7 +43,7 @@ def allgather_attention(
     `eqgpt.parallel.context.ring_attention`. **Returns:** the local output shard.
     """
     q, k, v, q_pos, k_pos, q_seg, k_seg = tie_to_activations(q, k, v, q_pos, k_pos, q_seg, k_seg)
-    gather = lambda x, dim: jax.lax.all_gather(x, axis, axis=dim, tiled=True)  # noqa: E731
+    gather = lambda x, dim: all_gather(x, axis, dim=dim)  # noqa: E731
     k_all, v_all, k_pos_all = gather(k, 1), gather(v, 1), gather(k_pos, 0)
     k_seg_all = None if k_seg is None else gather(k_seg, 1)
     return blockwise_attention(

@@ -35,7 +35,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from eqgpt.nn.kernels.blockwise import blockwise_backward, blockwise_forward, merge_partials
+from eqgpt.nn.kernels.blockwise import (
+    blockwise_backward,
+    blockwise_forward,
+    merge_partials,
+    tie_to_activations,
+)
 from eqgpt.nn.mask import Mask
 from eqgpt.parallel.collectives import ring_shift
 
@@ -176,19 +181,6 @@ def _ring_bwd(mask, axis, scale, block_q, block_k, chunks, res, dout):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def tie_to_activations(q, k, v, q_pos, k_pos, q_seg, k_seg):
-    """Make positions and segment ids depend on `q, k, v` (an `optimization_barrier`).
-
-    Inside a differentiated `lax.scan` (the scanned layers of a GPT) JAX's partial
-    evaluation hoists whatever depends only on loop constants out of the loop and
-    keeps it as residuals. The positions are such constants, so every tile's mask
-    (a function of positions alone) would be computed ahead and *stored*, for all
-    tiles of all ring steps: quadratic memory. Tied to the activations, the masks
-    stay inside the kernel's loops, recomputed tile by tile.
-    """
-    return jax.lax.optimization_barrier((q, k, v, q_pos, k_pos, q_seg, k_seg))
-
-
 def _check_chunks(length: int, chunks: int) -> None:
     if chunks < 1 or length % chunks:
         raise ValueError(
@@ -263,4 +255,4 @@ def ring_attention_with_lse(
     return _forward(mask, axis, scale, block_q, block_k, q_chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
 
 
-__all__ = ["ring_attention", "ring_attention_with_lse", "shard_may_attend", "tie_to_activations"]
+__all__ = ["ring_attention", "ring_attention_with_lse", "shard_may_attend"]

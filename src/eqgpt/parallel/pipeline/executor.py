@@ -48,7 +48,14 @@ from jaxtyping import Array
 from eqgpt.nn.axes import NoConstraint, map_constraints
 from eqgpt.nn.gpt import GPT
 from eqgpt.nn.loss import chunked_cross_entropy
-from eqgpt.parallel.collectives import broadcast, to_varying
+from eqgpt.parallel.collectives import (
+    all_gather,
+    all_reduce,
+    broadcast,
+    ppermute,
+    reduce_scatter,
+    to_varying,
+)
 from eqgpt.parallel.pipeline.lowering import (
     ACT_READ,
     ACT_WRITE,
@@ -207,7 +214,7 @@ def _gather_params(tree, axes_tree, lead: int = 0):
     def one(x, ba: BatchAxes):
         for dim, axes in enumerate(ba.dims):
             if axes:
-                x = jax.lax.all_gather(x, axes, axis=lead + dim, tiled=True)
+                x = all_gather(x, axes, dim=lead + dim)
         return x
 
     return jax.tree.map(one, tree, axes_tree)
@@ -220,10 +227,10 @@ def _reduce_grads(tree, axes_tree, lead: int = 0):
         used = set()
         for dim, axes in enumerate(ba.dims):
             if axes:
-                g = jax.lax.psum_scatter(g, axes, scatter_dimension=lead + dim, tiled=True)
+                g = reduce_scatter(g, axes, dim=lead + dim)
                 used.update(axes)
         rest = tuple(a for a in BATCH_AXES if a not in used)
-        return jax.lax.psum(g, rest) if rest else g
+        return all_reduce(g, rest) if rest else g
 
     return jax.tree.map(one, tree, axes_tree)
 
@@ -248,7 +255,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         micro = vary({k: a.reshape(m, mb, *a.shape[1:]) for k, a in batch.items()})
         mask = batch.get("loss_mask")
         local_count = jnp.sum(mask.astype(jnp.float32)) if mask is not None else jnp.float32(bl * t)
-        total = jnp.maximum(jax.lax.psum(local_count, BATCH_AXES), 1.0)
+        total = jnp.maximum(all_reduce(local_count, BATCH_AXES), 1.0)
         positions = jnp.arange(t)
         d = rest.tok_embed.weight.shape[-1]
         stage = jax.lax.axis_index(PIPELINE)
@@ -306,9 +313,9 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             )
             g_blocks = jax.tree.map(lambda acc, u: acc.at[c].add(u), g_blocks, d_chunk)
             g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
-            acts = acts.at[row[ACT_WRITE]].set(jax.lax.ppermute(send_f, PIPELINE, fwd_perm), mode="drop")
+            acts = acts.at[row[ACT_WRITE]].set(ppermute(send_f, PIPELINE, fwd_perm), mode="drop")
             grads_in = grads_in.at[row[GRAD_WRITE]].set(
-                jax.lax.ppermute(send_b, PIPELINE, bwd_perm), mode="drop")
+                ppermute(send_b, PIPELINE, bwd_perm), mode="drop")
             return (acts, grads_in, g_blocks, g_rest, terms + d_terms), None
 
         init = vary((
@@ -321,8 +328,8 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         (_, _, g_blocks, g_rest, terms), _ = jax.lax.scan(tick, init, program)
         # Once per step: the loss from the last stage to every stage, then sums over
         # the data-parallel devices; embedding/head gradients summed over stages.
-        terms = jax.lax.psum(broadcast(terms, PIPELINE, root=p - 1), BATCH_AXES)
-        g_rest = _reduce_grads(jax.lax.psum(g_rest, PIPELINE), rest_axes)
+        terms = all_reduce(broadcast(terms, PIPELINE, root=p - 1), BATCH_AXES)
+        g_rest = _reduce_grads(all_reduce(g_rest, PIPELINE), rest_axes)
         g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes, lead=2))
         return terms, g_blocks, g_rest
 
