@@ -1,5 +1,6 @@
 """Data: byte tokenizer, corpora (the Python stdlib by default), deterministic loaders."""
 
+from eqgpt.data.batch import Batch, as_batch
 from eqgpt.data.corpus import (
     Corpus,
     default_cache_dir,
@@ -13,6 +14,6 @@ from eqgpt.data.loader import BatchLoader, eval_windows, process_rows
 from eqgpt.data.tokenizer import ByteTokenizer
 
 __all__ = [
-    "ByteTokenizer", "Corpus", "load_corpus", "stdlib_files", "stdlib_root", "text_files",
+    "Batch", "as_batch", "ByteTokenizer", "Corpus", "load_corpus", "stdlib_files", "stdlib_root", "text_files",
     "default_cache_dir", "is_validation_file", "BatchLoader", "eval_windows", "process_rows",
 ]

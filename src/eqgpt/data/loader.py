@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jaxtyping import Int
 
+from eqgpt.data.batch import Batch
+
 
 def process_rows(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
     """The `[start, stop)` rows of a global batch that one process loads."""
@@ -29,7 +31,7 @@ def process_rows(batch_size: int, process_index: int, process_count: int) -> tup
 
 
 class BatchLoader:
-    """Random training windows `[rows, seq_len + 1]` (inputs and shifted targets).
+    """Random training windows of `seq_len + 1` tokens, as `Batch`es of inputs and targets.
 
     **Arguments:**
 
@@ -69,11 +71,15 @@ class BatchLoader:
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
 
-    def local_batch(self, step: int) -> Int[np.ndarray, "rows seq_plus_one"]:
-        """This process's rows of the batch at `step`, as `int32`."""
+    def local_windows(self, step: int) -> Int[np.ndarray, "rows seq_plus_one"]:
+        """This process's rows of the batch at `step` as `[rows, seq_len + 1]` `int32` windows."""
         start, stop = self.rows
         t = self.seq_len + 1
         return np.stack([self.tokens[o : o + t] for o in self.offsets(step)[start:stop]]).astype(np.int32)
+
+    def local_batch(self, step: int) -> Batch:
+        """This process's rows of the batch at `step`: inputs and shifted targets."""
+        return Batch.from_windows(self.local_windows(step))
 
 
 def eval_windows(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqgpt.nn.axes import NoConstraint
-from eqgpt.nn.kernels import get_kernel
+from eqgpt.nn.kernels import Kernel, get_kernel
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mask import CausalMask, Mask
 from eqgpt.nn.rope import apply_rope
@@ -21,17 +23,13 @@ class KVCache(eqx.Module):
     k: Float[Array, "*layers batch max_len kv_heads head_dim"]
     v: Float[Array, "*layers batch max_len kv_heads head_dim"]
 
-    @classmethod
-    def empty(cls, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype=jnp.float32):
-        z = jnp.zeros((batch, max_len, kv_heads, head_dim), dtype)
-        return cls(z, z)
-
 
 class Attention(eqx.Module):
     """Causal self-attention with `num_heads` query heads sharing `num_kv_heads` kv heads.
 
     `num_kv_heads == num_heads` is MHA, `1` is MQA, anything dividing `num_heads` is
-    GQA. The softmax runs in the kernel named by `kernel` (see `eqgpt.nn.kernels`).
+    GQA. The softmax runs in `kernel`: a registered name or any callable with the
+    kernel signature (see `eqgpt.nn.kernels`); `with_kernel` swaps it, arrays kept.
     Query, key, value and output projections are tagged with `checkpoint_name`
     (`query_proj`, `key_proj`, `value_proj`, `attn_out`) for remat policies.
     """
@@ -45,7 +43,7 @@ class Attention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    kernel: str = eqx.field(static=True)
+    kernel: str | Kernel = eqx.field(static=True)
     rope_theta: float | None = eqx.field(static=True)
 
     def __init__(
@@ -54,7 +52,7 @@ class Attention(eqx.Module):
         num_heads: int,
         num_kv_heads: int | None = None,
         *,
-        kernel: str = "reference",
+        kernel: str | Kernel = "reference",
         mask: Mask | None = None,
         rope_theta: float | None = None,
         use_bias: bool = True,
@@ -67,7 +65,8 @@ class Attention(eqx.Module):
         - `embed_dim`: model width; must be divisible by `num_heads`.
         - `num_heads`, `num_kv_heads`: query heads and key/value heads
           (`num_kv_heads` defaults to `num_heads` and must divide it).
-        - `kernel`: "reference", "blockwise" or "cudnn".
+        - `kernel`: "reference", "blockwise", "cudnn", a registered name, or a callable
+          with the kernel signature.
         - `mask`: a `Mask`; causal by default.
         - `rope_theta`: apply rotary embeddings with this base, or `None` for none.
         - `use_bias`: biases on the projections (GPT-2 has them, Llama not).
@@ -104,11 +103,15 @@ class Attention(eqx.Module):
     def project(
         self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"]
     ) -> tuple[Array, Array, Array]:
-        """Queries `[b, t, heads, d]` and keys, values `[b, t, kv_heads, d]`, rotated if RoPE."""
+        """Queries `[b, t, heads, d]` and keys, values `[b, t, kv_heads, d]`, rotated if RoPE.
+
+        Head counts come from the projections' widths, so a projection swapped for a
+        tensor-parallel one (fewer local heads) needs no other change.
+        """
         b, t, _ = x.shape
-        q = checkpoint_name(self.q_proj(x), "query_proj").reshape(b, t, self.num_heads, self.head_dim)
-        k = checkpoint_name(self.k_proj(x), "key_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = checkpoint_name(self.v_proj(x), "value_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = checkpoint_name(self.q_proj(x), "query_proj").reshape(b, t, -1, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), "key_proj").reshape(b, t, -1, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), "value_proj").reshape(b, t, -1, self.head_dim)
         if self.rope_theta is not None:
             q = apply_rope(q, positions, self.rope_theta)
             k = apply_rope(k, positions, self.rope_theta)
@@ -116,6 +119,14 @@ class Attention(eqx.Module):
         k = self.shard(k, ("batch", "inner_seq", "kv_heads", "head_dim"))
         v = self.shard(v, ("batch", "inner_seq", "kv_heads", "head_dim"))
         return q, k, v
+
+    def with_kernel(self, kernel: str | Kernel) -> Attention:
+        """This module with another kernel (a name or a callable); the arrays are the same objects."""
+        get_kernel(kernel)
+        new = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(new, f.name, kernel if f.name == "kernel" else getattr(self, f.name))
+        return new
 
     def output(self, o: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq embed"]:
         """Merge heads and apply the output projection."""

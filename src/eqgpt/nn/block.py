@@ -5,33 +5,37 @@ from __future__ import annotations
 import equinox as eqx
 from jaxtyping import Array, Float, Int
 
-from eqgpt.nn.attention import Attention, KVCache
+from eqgpt.nn.attention import KVCache
 from eqgpt.nn.axes import NoConstraint
-from eqgpt.nn.mlp import MLP, SwiGLU
-from eqgpt.nn.norm import LayerNorm, RMSNorm
 from eqgpt.nn.remat import apply_remat, remat_policy
 
 
 class Block(eqx.Module):
     """One transformer layer, with its gradient-checkpointing policy as a field.
 
+    Any modules fit the four slots (see `docs/extending.md`): the norms and `mlp`
+    map `[batch, seq, embed]` to the same shape; `attn` does so too and takes
+    keyword `positions` and `segment_ids` (and, for generation, has `decode`
+    like `eqgpt.nn.Attention`). Build weights from `eqgpt.nn.Linear` with logical
+    axis names and every strategy places them.
+
     `remat` is one of `"none"`, `"full"`, `"dots"`, `"names:..."`, `"offload:..."`
     (see `eqgpt.nn.remat`).
     """
 
-    attn_norm: LayerNorm | RMSNorm
-    attn: Attention
-    mlp_norm: LayerNorm | RMSNorm
-    mlp: MLP | SwiGLU
+    attn_norm: eqx.Module
+    attn: eqx.Module
+    mlp_norm: eqx.Module
+    mlp: eqx.Module
     shard: NoConstraint
     remat: str = eqx.field(static=True)
 
     def __init__(
         self,
-        attn_norm: LayerNorm | RMSNorm,
-        attn: Attention,
-        mlp_norm: LayerNorm | RMSNorm,
-        mlp: MLP | SwiGLU,
+        attn_norm: eqx.Module,
+        attn: eqx.Module,
+        mlp_norm: eqx.Module,
+        mlp: eqx.Module,
         *,
         remat: str = "none",
     ):

@@ -3,7 +3,7 @@
 from eqgpt.train.export import load_model, save_model
 from eqgpt.train.optim import decay_mask, make_optimizer, make_schedule
 from eqgpt.train.placement import SingleDevice
-from eqgpt.train.precision import Policy
+from eqgpt.precision import Policy
 from eqgpt.train.state import TrainState
 from eqgpt.train.step import accumulate, all_finite, batch_loss, make_grad_fn, make_train_step
 from eqgpt.train.trainer import History, Trainer, TrainerConfig, make_eval_fn, plot_history

@@ -15,7 +15,7 @@ import optax
 from jaxtyping import Array, Int, PyTree
 
 from eqgpt.nn.loss import lm_loss
-from eqgpt.train.precision import Policy
+from eqgpt.precision import Policy
 from eqgpt.train.state import TrainState
 
 GradFn = Callable[[PyTree, Array], tuple[tuple[Array, dict], PyTree]]

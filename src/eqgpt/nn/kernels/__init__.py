@@ -1,6 +1,6 @@
-"""Attention kernels behind one signature.
+"""Attention kernels behind one signature; open to your own.
 
-Every kernel is a function
+Every kernel is a callable
 
     kernel(q, k, v, *, mask, q_pos, k_pos, q_seg=None, k_seg=None, scale=None) -> out
 
@@ -8,21 +8,61 @@ with `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_
 `heads % kv_heads == 0` (MHA, GQA, MQA), global positions `q_pos: [q_len]`,
 `k_pos: [k_len]`, optional segment ids `[batch, len]`, and `out` shaped like `q`.
 Softmax statistics are fp32 whatever the input dtype.
+
+`Attention(kernel=...)` takes a registered name or any such callable (a function,
+or an `eqx.Module` with no arrays, e.g. `eqgpt.parallel.context.ContextKernel`).
+`register_kernel("mine", fn)` makes a name for it, usable from `GPTConfig`.
 """
+
+from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
 
-# name -> module defining `<name>_attention`; imported on first use.
-KERNELS = ("reference", "blockwise", "cudnn")
+Kernel = Callable[..., object]
+
+# The built-in kernels: name -> module defining `<name>_attention`, imported on first use.
+_BUILTIN = ("reference", "blockwise", "cudnn")
+_REGISTERED: dict[str, Kernel] = {}
 
 
-def get_kernel(name: str) -> Callable:
-    """Look up a kernel by name ("reference", "blockwise" or "cudnn")."""
-    if name not in KERNELS:
-        raise ValueError(f"Unknown attention kernel {name!r}; choose one of {list(KERNELS)}.")
-    module = importlib.import_module(f"eqgpt.nn.kernels.{name}")
-    return getattr(module, f"{name}_attention")
+def register_kernel(name: str, kernel: Kernel) -> None:
+    """Register `kernel` (a callable with the kernel signature) under `name`.
+
+    Raises `ValueError` if `name` is a built-in kernel's or `kernel` is not callable.
+    """
+    if name in _BUILTIN:
+        raise ValueError(f"{name!r} is a built-in kernel; register yours under another name.")
+    if not callable(kernel):
+        raise ValueError(f"kernel {name!r} must be callable with the kernel signature, got {type(kernel).__name__}.")
+    _REGISTERED[name] = kernel
 
 
-__all__ = ["KERNELS", "get_kernel"]
+def kernel_names() -> tuple[str, ...]:
+    """Every name `get_kernel` accepts: the built-ins, then the registered ones."""
+    return (*_BUILTIN, *_REGISTERED)
+
+
+def get_kernel(kernel: str | Kernel) -> Kernel:
+    """The kernel callable for a name ("reference", "blockwise", "cudnn" or registered), or `kernel` itself."""
+    if callable(kernel):
+        return kernel
+    if kernel in _REGISTERED:
+        return _REGISTERED[kernel]
+    if kernel not in _BUILTIN:
+        raise ValueError(
+            f"Unknown attention kernel {kernel!r}; choose one of {list(kernel_names())}, pass a callable, "
+            "or register one with eqgpt.nn.kernels.register_kernel."
+        )
+    module = importlib.import_module(f"eqgpt.nn.kernels.{kernel}")
+    return getattr(module, f"{kernel}_attention")
+
+
+def kernel_name(kernel: str | Kernel) -> str:
+    """A short label for messages and tables."""
+    if isinstance(kernel, str):
+        return kernel
+    return getattr(kernel, "__name__", type(kernel).__name__)
+
+
+__all__ = ["Kernel", "get_kernel", "register_kernel", "kernel_names", "kernel_name"]
