@@ -16,7 +16,7 @@ import numpy as np
 import eqgpt
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, measure_matmul_flops
-from eqgpt.train import SingleDevice, TrainState, make_optimizer, make_schedule, make_train_step
+from eqgpt.train import SingleDevice, TrainState, make_optimizer, make_lr_schedule, make_train_step
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
 
     cfg = eqgpt.preset(args.preset)
     placement = SingleDevice()
-    opt = make_optimizer(make_schedule(1e-3, total_steps=1000, warmup_steps=10))
+    opt = make_optimizer(make_lr_schedule(1e-3, total_steps=1000, warmup_steps=10))
     model = placement.init_model(lambda k: GPT(cfg, key=k), jax.random.key(0))
     state = TrainState(model, placement.init_opt_state(opt, model), rng=jax.random.key(1))
     step = make_train_step(opt)

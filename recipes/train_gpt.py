@@ -29,13 +29,13 @@ from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text
 from eqgpt.train import (
     Policy,
-    SingleDevice,
+    Strategy,
     Trainer,
     TrainerConfig,
     TrainState,
     make_eval_fn,
+    make_lr_schedule,
     make_optimizer,
-    make_schedule,
     make_train_step,
     plot_history,
     save_model,
@@ -110,21 +110,25 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    # --- parallelism (eqgpt.parallel): these fields and `make_placement` are the only
-    # places that know about devices.
+    # --- parallelism: these fields become one eqgpt.parallel.Strategy (see `strategy_of`).
     mesh: str = ""
-    """Device mesh, e.g. 'data=2,fsdp=2,tensor=2' (axes data, fsdp, pipeline, context, tensor; -1 fills); '' = one device."""
+    """Device mesh, e.g. 'pipeline=2,data=2,tensor=2' (axes data, fsdp, pipeline, context, tensor; -1 fills); '' = one device."""
     strategy: str = "dp"
     """Sharding rules on --mesh: presets dp, fsdp, tp, sp joined by '+' (e.g. 'fsdp+tp'); sp implies tp."""
+    pipeline: Literal["gpipe", "1f1b", "interleaved"] | None = None
+    """Run the layers as a pipeline over the mesh's 'pipeline' axis with this schedule."""
+    microbatches: int = 4
+    """Pipeline microbatches per step."""
+    virtual_stages: int = 2
+    """Layer chunks per pipeline device (interleaved schedule)."""
+    context: Literal["ring", "allgather"] | None = None
+    """Split the sequence over the mesh's 'context' axis (zigzag order) with ring or all-gather attention."""
+    manual: bool = False
+    """Manual path: data, tensor and (with 'sp' in --strategy) sequence parallelism under shard_map with explicit collectives."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     cpu_devices: int | None = None
     """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
-    manual: bool = False
-    """Manual path (eqgpt.parallel.data.manual_grad_fn): the step runs in shard_map with explicit collectives; --mesh data/tensor axes only, --strategy containing 'sp' adds sequence parallelism."""
-    context_attention: Literal["off", "ring", "allgather"] = "off"
-    """Split the sequence over the --mesh 'context' axis (zigzag order) with ring or all-gather attention; seq_len must be a multiple of 2 * context."""
-    # --- end parallelism
     # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
     checkpoint_every: int = 0
     """Steps between checkpoints (0: none). With checkpoints (or --resume) a run also saves at the end and on SIGTERM/SIGINT. A stopped run exits with status 75 (SIGTERM: at once; Ctrl-C: after its samples and plots)."""
@@ -133,8 +137,8 @@ class TrainConfig:
     checkpoint_keep: int = 3
     """Newest checkpoints to keep."""
     resume: bool = False
-    """Continue from the latest good checkpoint in checkpoint_dir, on any --mesh (start at step 0 if there is none)."""
-    # --- end checkpoints and multi-process runs
+    """Continue from the latest good checkpoint in checkpoint_dir, on any --mesh and strategy (start at step 0 if there is none)."""
+    # --- the run
     steps: int = 800
     """Optimizer steps."""
     batch_size: int = 32
@@ -145,6 +149,8 @@ class TrainConfig:
     """Seed of the initialisation and of every batch (a batch is a function of seed and step)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute dtype: auto = fp32 on CPU, bf16 on GPU/TPU."""
+    z_loss: float = 0.0
+    """Weight of the z-loss (mean squared log-partition), 0 to disable."""
     out_dir: Path = Path("runs/nano")
     """Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model)."""
     log_every: int = 10
@@ -152,7 +158,7 @@ class TrainConfig:
     eval_every: int = 100
     """Steps between validation losses."""
     eval_windows: int = 64
-    """Validation windows (fixed, spread over the held-out files)."""
+    """Validation windows (fixed, spread over the held-out files); any number works on any mesh."""
     peak_flops: float | None = None
     """Peak FLOP/s for the MFU estimate (default: GPU table, or a measured matmul on CPU)."""
     sample_prompts: tuple[str, ...] = ("def ", "class ", "import ")
@@ -163,35 +169,91 @@ class TrainConfig:
     """Show a progress bar."""
 
 
-def make_placement(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig | None = None):
-    """Where the model and the batches live: one device, or a mesh split by `--strategy` rules."""
-    if not cfg.mesh:
-        if cfg.manual:
-            raise ValueError("--manual needs a --mesh, e.g. --mesh data=2,tensor=4.")
-        if cfg.context_attention != "off":
-            raise ValueError("--context-attention needs a --mesh with a context axis, e.g. --mesh context=4,data=2.")
-        return SingleDevice()
-    from eqgpt import parallel as par
+def strategy_of(cfg: TrainConfig) -> Strategy:
+    """The one object that says how this run is distributed (a single device without --mesh)."""
+    return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
+                          virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual)
 
-    mesh = par.make_mesh(cfg.mesh)
-    if cfg.manual and cfg.context_attention != "off":
-        raise ValueError("--context-attention runs on the automatic path; drop --manual.")
-    if cfg.manual:  # manual path: layout of eqgpt.parallel.data.manual_specs
-        from eqgpt.parallel.data import manual_placement
 
-        return manual_placement(mesh, model_cfg or cfg.model.build())
+def optimizer_of(cfg: TrainConfig):
+    """AdamW with warmup and cosine decay, as the --optim flags say; **returns** (optimizer, schedule)."""
+    o = cfg.optim
+    schedule = make_lr_schedule(o.lr, total_steps=cfg.steps, warmup_steps=min(o.warmup_steps, cfg.steps - 1),
+                                min_lr_ratio=o.min_lr_ratio)
+    return make_optimizer(schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
+                          decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases), schedule
 
-    rules = cfg.strategy
-    if cfg.context_attention != "off":
-        from eqgpt.parallel import context as cp
 
-        rules = cp.context_rules(cfg.strategy)
-        cp.check_layout((model_cfg or cfg.model.build()).seq_len, mesh.shape["context"], "zigzag")
-    placement = par.ShardedPlacement(mesh, rules)
-    if model_cfg is not None:  # sizes the mesh cannot split fail here, before anything compiles
-        par.check_divisibility(model_cfg, placement.mesh, placement.rules,
-                               cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)
-    return placement
+def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> None:
+    """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees."""
+    if jax.process_count() > 1:  # every process must run what process 0 runs, or stop now
+        distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg})
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if not cfg.resume:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(
+            {"recipe": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg)}, indent=2, default=str))
+
+
+def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> Checkpointer | None:
+    """Checkpoints every --checkpoint-every steps (or only for --resume); `None` without either."""
+    if not (cfg.checkpoint_every or cfg.resume):
+        return None
+    return Checkpointer(cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
+                        keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
+                        config={"model": model_cfg, "data_order": {"seed": cfg.seed},
+                                "recipe": dataclasses.asdict(cfg)})
+
+
+def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: TrainState, log) -> TrainState:
+    """With --resume, the latest good checkpoint restored into this run's layout (any mesh, any
+    strategy); else `state`, checked to be the same on every process."""
+    if jax.process_count() > 1:
+        distributed.check_replicas_agree(state.model)
+    restored = checkpointer.restore(state) if cfg.resume else None
+    if restored is not None:
+        log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
+        return restored.state
+    if cfg.resume:
+        log(f"--resume: no checkpoint in {checkpointer.directory}; starting at step 0")
+    return state
+
+
+def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig) -> list[str]:
+    """Generate from --sample-prompts with the trained model (KV cache, one device's view)."""
+    tok = ByteTokenizer()
+    n_new = min(cfg.sample_tokens, model_cfg.seq_len - max(len(tok.encode(p)) for p in cfg.sample_prompts))
+    if n_new < 1:
+        return []
+    return [generate_text(state.model, tok, p, n_new, key=jax.random.fold_in(state.rng, i))[0]
+            for i, p in enumerate(cfg.sample_prompts)]
+
+
+def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus_name: str, model_cfg, t0: float) -> dict:
+    """Save the model, plot, sample and summarise; **returns** the summary."""
+    is_main = jax.process_index() == 0
+    summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
+    if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
+        summary["seconds"] = time.perf_counter() - t0
+        if is_main:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            print(f"stopped at step {summary['steps']} by SIGTERM; rerun with --resume to continue "
+                  f"(exit status {PREEMPTED_EXIT_CODE})", flush=True)
+        return summary
+    save_model(out, state.model)
+    samples = sample(cfg, state, model_cfg)
+    _, vals = trainer.history.series("val_loss")
+    summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
+                   seconds=time.perf_counter() - t0, samples=samples)
+    if is_main:
+        plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus_name}")
+        (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
+        print("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)), end="")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"done: val loss {summary['first_val_loss']:.3f} -> {summary['val_loss']:.3f} nats/byte "
+              f"in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
+    return summary
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -200,132 +262,51 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.cpu_devices:  # must precede the first use of a JAX backend
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
-    is_main = jax.process_index() == 0  # only process 0 prints and writes files
-    model_cfg = cfg.model.build()
-    if cfg.batch_size % cfg.accum_steps:
-        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by accum_steps ({cfg.accum_steps}).")
+    log = (lambda msg: print(msg, flush=True)) if jax.process_index() == 0 else (lambda msg: None)
+    model_cfg, out = cfg.model.build(), Path(cfg.out_dir)
+    strategy = strategy_of(cfg)  # every flag error is raised here or in `check`, before any compile
+    make_model = lambda k: GPT(model_cfg, key=k)  # noqa: E731
+    model_like = jax.eval_shape(make_model, jax.random.key(0))
+    strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
                          min_tokens=model_cfg.seq_len + 1, vocab_size=model_cfg.vocab_size)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        if not cfg.resume:
-            (out / "metrics.jsonl").unlink(missing_ok=True)
-        (out / "config.json").write_text(json.dumps(
-            {"recipe": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg)}, indent=2, default=str))
+    write_run_config(cfg, model_cfg, out)
 
-    placement = make_placement(cfg, model_cfg)
     policy = Policy.default() if cfg.precision == "auto" else Policy.named(cfg.precision)
-    schedule = make_schedule(cfg.optim.lr, total_steps=cfg.steps, warmup_steps=min(cfg.optim.warmup_steps, cfg.steps - 1),
-                             min_lr_ratio=cfg.optim.min_lr_ratio)
-    optimizer = make_optimizer(
-        schedule, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
-        clip_norm=cfg.optim.clip_norm or None, decay_embeddings=cfg.optim.decay_embeddings,
-        decay_norms_and_biases=cfg.optim.decay_norms_and_biases,
-    )
+    optimizer, schedule = optimizer_of(cfg)
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
-    make_model = lambda k: GPT(model_cfg, key=k)  # noqa: E731
-    if cfg.context_attention != "off":  # context parallelism: ring / all-gather kernels
-        from eqgpt.parallel import context as cp
-
-        block = min(128, model_cfg.seq_len // (2 * placement.mesh.shape["context"]))
-        make_model = lambda k: cp.use_context_attention(  # noqa: E731
-            GPT(model_cfg, key=k), placement.mesh, cfg.context_attention, block_q=block, block_k=block)
-    model = placement.init_model(make_model, key_model)
-    state = TrainState(model, placement.init_opt_state(optimizer, model), rng=key_state)
-    # --- checkpoints and multi-process runs
-    if jax.process_count() > 1:  # every process must hold what process 0 holds, or stop now
-        mesh = distributed.mesh_fields(placement.mesh) if hasattr(placement, "mesh") else "single"
-        distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg, "mesh": mesh})
-        distributed.check_replicas_agree(state.model)
-    checkpointer = None
-    if cfg.checkpoint_every or cfg.resume:
-        checkpointer = Checkpointer(
-            cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
-            keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
-            config={"model": model_cfg, "data_order": {"seed": cfg.seed}, "recipe": dataclasses.asdict(cfg)},
-        )
-        restored = checkpointer.restore(state) if cfg.resume else None
-        if restored is not None:  # the shardings are this run's (any mesh); batches resume at its step
-            state = restored.state
-            if is_main:
-                print(f"resumed from checkpoint {restored.step} in {checkpointer.directory}", flush=True)
-        elif cfg.resume and is_main:
-            print(f"--resume: no checkpoint in {checkpointer.directory}; starting at step 0", flush=True)
-    # --- end checkpoints and multi-process runs
-    grad_fn = None
-    if cfg.manual:  # manual path: explicit collectives under shard_map
-        from eqgpt.parallel.data import manual_grad_fn
-
-        grad_fn = manual_grad_fn(model, placement.mesh, compute_dtype=policy.compute_dtype,
-                                 sequence_parallel="sp" in cfg.strategy.split("+"))
-    eval_fn = make_eval_fn(policy=policy)
-    if cfg.context_attention != "off":  # context parallelism: zigzag batches, sharded loss
-        grad_fn = cp.context_grad_fn(placement.mesh, policy=policy)
-        eval_fn = make_eval_fn(cp.context_loss_fn(placement.mesh), policy=policy)
-    step_fn = make_train_step(optimizer, grad_fn=grad_fn, accum_steps=cfg.accum_steps, policy=policy)
+    model = strategy.init_model(make_model, key_model)
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state)
+    checkpointer = make_checkpointer(cfg, model_cfg, out)
+    state = starting_state(cfg, checkpointer, state, log)
+    step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
+                              z_loss=cfg.z_loss, model_like=model_like)
+    eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     loader = BatchLoader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed)
-    val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
     if cfg.report:  # the compiled step as evidence: collectives and memory per device
         from eqgpt.profile import report
 
-        compiled = step_fn.lower(state, placement.batch(loader.local_batch(0))).compile()
-        print(report(compiled, mesh=getattr(placement, "mesh", None), title=f"{cfg.strategy if cfg.mesh else 'single'}"))
-
+        compiled = step_fn.lower(state, strategy.batch(loader.local_batch(0))).compile()
+        log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
-    n_params = sum(x.size for x in jax.tree.leaves(model) if hasattr(x, "size"))
-    if is_main:
-        print(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
-              f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len} | corpus {corpus.name}: "
-              f"{len(corpus.train) / 1e6:.1f}M train / {len(corpus.val) / 1e6:.2f}M val tokens | "
-              f"{placement} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})", flush=True)
+    n_params = sum(x.size for x in jax.tree.leaves(model_like))
+    log(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
+        f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len} | corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
+        f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
     trainer = Trainer(
-        step_fn, state, loader, placement, val_windows=val, schedule=schedule,
-        config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every,
-                             out_dir=out, progress=cfg.progress),
-        flops_per_token=flops_per_token(model_cfg), peak_flops=peak, eval_fn=eval_fn,
-        checkpointer=checkpointer,
+        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
+        val_windows=eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows),
+        config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
+                             progress=cfg.progress),
+        flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )
-    state = trainer.run()
-    if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace period
-        summary = {"steps": int(state.step), "interrupted": True, "seconds": time.perf_counter() - t0}
-        if is_main:
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            print(f"stopped at step {summary['steps']} by signal {trainer.stop_signal}; rerun with --resume "
-                  f"to continue (exit status {PREEMPTED_EXIT_CODE})", flush=True)
-        return summary
-    saved = state.model
-    if cfg.context_attention != "off":  # context parallelism: save the plain GPT
-        saved = cp.strip_context_attention(saved)
-    save_model(out, saved)
-    if is_main:
-        plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name}")
-
-    tok = ByteTokenizer()
-    samples = []
-    n_new = min(cfg.sample_tokens, model_cfg.seq_len - max(len(tok.encode(p)) for p in cfg.sample_prompts))
-    for i, prompt in enumerate(cfg.sample_prompts):
-        if n_new < 1:
-            break
-        text = generate_text(state.model, tok, prompt, n_new, key=jax.random.fold_in(state.rng, i))[0]
-        samples.append(text)
-    if is_main:
-        (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
-        for i, s in enumerate(samples):
-            print(f"--- sample {i} ---\n{s}")
-    _, vals = trainer.history.series("val_loss")
-    summary = {"val_loss": vals[-1] if vals else None, "first_val_loss": vals[0] if vals else None,
-               "steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted,
-               "seconds": time.perf_counter() - t0, "samples": samples}
-    if not is_main:
-        return summary
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"done: val loss {summary['first_val_loss']:.3f} -> {summary['val_loss']:.3f} nats/byte "
-          f"in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
-    return summary
+    return finish(cfg, trainer, trainer.run(), out, corpus.name, model_cfg, t0)
 
 
 if __name__ == "__main__":
-    summary = main(tyro.cli(TrainConfig))
+    try:
+        summary = main(tyro.cli(TrainConfig))
+    except ValueError as e:  # a configuration this run cannot use: say what to change, no traceback
+        sys.exit(f"error: {e}")
     sys.exit(PREEMPTED_EXIT_CODE if summary["interrupted"] else 0)

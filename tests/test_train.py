@@ -20,7 +20,7 @@ from eqgpt.train import (
     load_model,
     make_grad_fn,
     make_optimizer,
-    make_schedule,
+    make_lr_schedule,
     make_train_step,
     save_model,
 )
@@ -38,7 +38,7 @@ def host(state):
 
 
 # One optimizer and one compiled step shared by the tests below (compiling is the slow part).
-OPT = make_optimizer(make_schedule(3e-3, total_steps=30, warmup_steps=3))
+OPT = make_optimizer(make_lr_schedule(3e-3, total_steps=30, warmup_steps=3))
 STEP = make_train_step(OPT)
 
 
@@ -107,10 +107,10 @@ def test_decay_mask_from_module_structure():
 
 
 def test_schedule_and_bad_settings():
-    s = make_schedule(1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    s = make_lr_schedule(1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
     assert float(s(0)) == 0.0 and float(s(10)) == pytest.approx(1.0) and float(s(100)) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="warmup_steps"):
-        make_schedule(1.0, total_steps=10, warmup_steps=10)
+        make_lr_schedule(1.0, total_steps=10, warmup_steps=10)
     with pytest.raises(ValueError, match="accum_steps"):
         make_train_step(optax.sgd(1.0), accum_steps=0)
     with pytest.raises(ValueError, match="choose"):

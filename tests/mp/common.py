@@ -26,14 +26,14 @@ from eqgpt.train import (
     TrainerConfig,
     TrainState,
     make_optimizer,
-    make_schedule,
+    make_lr_schedule,
     make_train_step,
 )
 
 CONFIG = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=4, embed_dim=32)
 BATCH = 8
 TOTAL_STEPS = 20
-OPTIMIZER = make_optimizer(make_schedule(3e-3, total_steps=TOTAL_STEPS, warmup_steps=2))
+OPTIMIZER = make_optimizer(make_lr_schedule(3e-3, total_steps=TOTAL_STEPS, warmup_steps=2))
 
 
 def corpus() -> np.ndarray:

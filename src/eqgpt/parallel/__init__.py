@@ -1,12 +1,13 @@
-"""Everything that knows about devices: meshes, rule sets, placement, constraints.
+"""Everything that knows about devices: strategies, meshes, rule sets, placements.
 
-The automatic path lives here (`mesh`, `rules`, `shard`, `placement`); manual
-`shard_map` strategies live in their own modules (`collectives`, `tensor`,
-`sequence`, `pipeline`, ...) and are imported from there.
+`Strategy` describes a parallelism once and gives the trainer its placement and
+loss/grad function. The automatic path lives here (`mesh`, `rules`, `shard`,
+`placement`); manual `shard_map` forms live in their own modules (`collectives`,
+`tensor`, `sequence`, `manual`, `context`, `pipeline`) and are imported from there.
 """
 
 from eqgpt.parallel.mesh import AXES, MeshConfig, make_mesh, mesh_config
-from eqgpt.parallel.placement import ShardedPlacement
+from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
 from eqgpt.parallel.rules import (
     DP,
     FSDP,
@@ -36,6 +37,7 @@ from eqgpt.parallel.shard import (
     shard_opt_state,
     with_constraints,
 )
+from eqgpt.parallel.strategy import PipelineConfig, Strategy
 
 __all__ = [
     "AXES", "MeshConfig", "make_mesh", "mesh_config", "Rules", "AxisTable", "strategy",
@@ -43,5 +45,5 @@ __all__ = [
     "param_specs", "param_shardings", "with_constraints", "shard_model", "init_sharded", "lower_init",
     "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded", "batch_sharding",
     "replicated_fraction", "check_replication", "check_divisibility", "rules_for", "path_str",
-    "ShardedPlacement",
+    "ShardedPlacement", "SingleDevice", "Placement", "Strategy", "PipelineConfig",
 ]

@@ -1,18 +1,21 @@
-"""`ShardedPlacement`: the placement contract (see `docs/design.md`) for a device mesh.
+"""Placements: where a model, its optimizer state and each batch live.
 
-The trainer asks a placement for three things and knows nothing else about
-devices: a model (`init_model`), its optimizer state (`init_opt_state`), and
-global batches from this process's rows (`batch`). This one lays them out by a
-rule set on a mesh; `eqgpt.train` has the single-device one.
+`Placement` is the contract (a `Protocol`): the trainer, the checkpointer and
+the recipes ask it for models, optimizer states and global batches, and know
+nothing else about devices. `SingleDevice` puts everything on one device;
+`ShardedPlacement` lays everything out by a rule set on a mesh. A `Strategy`
+(`eqgpt.parallel.strategy`) picks the placement its parallelism needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+import equinox as eqx
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray, PyTree
 
@@ -26,6 +29,80 @@ from eqgpt.parallel.shard import (
 )
 
 
+@runtime_checkable
+class Placement(Protocol):
+    """Where models, optimizer states and batches live.
+
+    - `mesh`: the device mesh, or `None` on one device.
+    - `init_model(make, key)`: `make(key)` built directly where it lives.
+    - `place_model(model)`: an existing model moved there.
+    - `init_opt_state(optimizer, model)` / `place_opt_state(opt_state, model)`: the same
+      for the optimizer state (moments next to their parameters).
+    - `batch(local)`: global arrays from this process's rows (any pytree, e.g. a `Batch`).
+    - `batch_divisor`: the number of pieces the batch's rows are split into.
+    """
+
+    mesh: Mesh | None
+
+    def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree: ...
+
+    def place_model(self, model: PyTree) -> PyTree: ...
+
+    def init_opt_state(self, optimizer: optax.GradientTransformation, model: PyTree) -> PyTree: ...
+
+    def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree: ...
+
+    def batch(self, local: PyTree) -> PyTree: ...
+
+    @property
+    def batch_divisor(self) -> int: ...
+
+
+def _global_rows(x: Any, sharding_of: Callable[[int, tuple[int, ...]], jax.sharding.Sharding]) -> jax.Array:
+    x = np.asarray(x)
+    global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+    return jax.make_array_from_process_local_data(sharding_of(x.ndim, global_shape), x, global_shape)
+
+
+class SingleDevice:
+    """Everything on one device (default: the first).
+
+    **Arguments:** `device`, a `jax.Device` or `None`.
+    """
+
+    mesh = None
+    batch_divisor = 1
+
+    def __init__(self, device: jax.Device | None = None):
+        self.device = jax.devices()[0] if device is None else device
+        self.sharding = jax.sharding.SingleDeviceSharding(self.device)
+
+    def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
+        """`make(key)`, built by a compiled function directly on the device."""
+        with jax.default_device(self.device):
+            return eqx.filter_jit(make)(key)
+
+    def place_model(self, model: PyTree) -> PyTree:
+        """The model's arrays moved to the device."""
+        return jax.device_put(model, self.sharding)
+
+    def init_opt_state(self, optimizer: optax.GradientTransformation, model: PyTree) -> PyTree:
+        """`optimizer.init` of the model's arrays, on the model's device."""
+        with jax.default_device(self.device):
+            return eqx.filter_jit(optimizer.init)(eqx.filter(model, eqx.is_array))
+
+    def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
+        """The optimizer state's arrays moved to the device."""
+        return jax.device_put(opt_state, self.sharding)
+
+    def batch(self, local: PyTree) -> PyTree:
+        """Global arrays from this process's rows (an array or a pytree of arrays, e.g. a `Batch`)."""
+        return jax.tree.map(lambda x: _global_rows(x, lambda _n, _s: self.sharding), local)
+
+    def __repr__(self) -> str:
+        return f"SingleDevice({self.device})"
+
+
 class ShardedPlacement:
     """Places models, optimizer states and batches on `mesh` by `rules`.
 
@@ -37,7 +114,7 @@ class ShardedPlacement:
     """
 
     def __init__(self, mesh: Mesh, rules: Rules | str, overrides: Mapping[str, Rules] | None = None):
-        self.mesh = mesh
+        self.mesh: Mesh | None = mesh
         self.rules = strategy(rules)
         self.overrides = dict(overrides or {})
 
@@ -64,19 +141,26 @@ class ShardedPlacement:
         """Sharding of global `[batch, seq]` (or `[batch]`) arrays (see `eqgpt.parallel.batch_sharding`)."""
         return batch_sharding(self.mesh, self.rules, ndim, shape)
 
+    @property
+    def batch_divisor(self) -> int:
+        """Devices the batch's rows are split over (the `batch` activation rule)."""
+        spec = self.rules.spec(("batch",), "activations", mesh=self.mesh)
+        return int(np.prod([self.mesh.shape[a] for a in _entry_axes(spec[0])]))
+
     def batch(self, local: PyTree) -> PyTree:
-        """Global `jax.Array`s from this process's rows (a `[rows, seq]` array or a pytree of them).
+        """Global `jax.Array`s from this process's rows (a `[rows, seq]` array or a pytree of them, e.g. a `Batch`).
 
         With several processes, each passes its own contiguous rows; the global
         batch is their concatenation in process order.
         """
 
         def one(x):
-            x = np.asarray(x)
-            if x.ndim not in (1, 2):
-                raise ValueError(f"batch arrays must be [batch] or [batch, seq]; got shape {x.shape}.")
-            global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-            sharding = self.batch_sharding(x.ndim, global_shape)
-            return jax.make_array_from_process_local_data(sharding, x, global_shape)
+            if np.ndim(x) not in (1, 2):
+                raise ValueError(f"batch arrays must be [batch] or [batch, seq]; got shape {np.shape(x)}.")
+            return _global_rows(x, lambda ndim, shape: self.batch_sharding(ndim, shape))
 
         return jax.tree.map(one, local)
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -1,15 +1,16 @@
-"""Training: state, optimizer, precision policy, the compiled step, placement, the loop."""
+"""Training: state, optimizer, the one compiled step, the loop, checkpoints, export."""
 
-from eqgpt.train.export import load_model, save_model
-from eqgpt.train.optim import decay_mask, make_optimizer, make_schedule
-from eqgpt.train.placement import SingleDevice
+from eqgpt.parallel.placement import Placement, SingleDevice
+from eqgpt.parallel.strategy import Strategy
 from eqgpt.precision import Policy
+from eqgpt.train.export import load_model, save_model
+from eqgpt.train.optim import decay_mask, make_lr_schedule, make_optimizer
 from eqgpt.train.state import TrainState
-from eqgpt.train.step import accumulate, all_finite, batch_loss, make_grad_fn, make_train_step
-from eqgpt.train.trainer import History, Trainer, TrainerConfig, make_eval_fn, plot_history
+from eqgpt.train.step import accumulate, all_finite, make_train_step
+from eqgpt.train.trainer import History, Trainer, TrainerConfig, eval_batches, make_eval_fn, plot_history
 
 __all__ = [
-    "TrainState", "Policy", "make_optimizer", "make_schedule", "decay_mask", "make_train_step",
-    "make_grad_fn", "accumulate", "all_finite", "batch_loss", "SingleDevice", "Trainer",
-    "TrainerConfig", "History", "make_eval_fn", "plot_history", "save_model", "load_model",
+    "TrainState", "Policy", "Strategy", "Placement", "SingleDevice", "make_optimizer", "make_lr_schedule",
+    "decay_mask", "make_train_step", "accumulate", "all_finite", "Trainer", "TrainerConfig", "History",
+    "make_eval_fn", "eval_batches", "plot_history", "save_model", "load_model",
 ]

@@ -54,7 +54,7 @@ def decay_mask(params: PyTree, *, embeddings: bool = False, norms_and_biases: bo
     return jax.tree.map(by_axes, marked, axes, is_leaf=lambda x: isinstance(x, (bool, LogicalAxes)))
 
 
-def make_schedule(
+def make_lr_schedule(
     lr: float, *, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1
 ) -> optax.Schedule:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine to `min_lr_ratio * lr`."""

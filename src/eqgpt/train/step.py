@@ -12,55 +12,31 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import Array, PyTree
 
-from eqgpt.nn.loss import lm_loss
+from eqgpt.data.batch import Batch
+from eqgpt.parallel.strategy import GradFn, Strategy
 from eqgpt.precision import Policy
 from eqgpt.train.state import TrainState
 
-GradFn = Callable[[PyTree, Array], tuple[tuple[Array, dict], PyTree]]
 
-
-def batch_loss(model: PyTree, batch: Int[Array, "batch seq_plus_one"]) -> tuple[Array, dict]:
-    """`lm_loss` of `model` on a `[batch, seq + 1]` token array (inputs, shifted targets)."""
-    return lm_loss(model, batch[:, :-1], batch[:, 1:])
-
-
-def make_grad_fn(loss_fn: Callable = batch_loss, policy: Policy | None = None) -> GradFn:
-    """`grad_fn(model, batch) -> ((loss, aux), grads)` differentiating `loss_fn`.
-
-    The model is cast to `policy.compute_dtype` inside the differentiated function,
-    so gradients come back in the parameter dtype; the loss is cast to fp32.
-    """
-
-    policy = Policy() if policy is None else policy
-
-    def loss_of(model, batch):
-        loss, aux = loss_fn(policy.cast_to_compute(model), batch)
-        return loss.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), aux)
-
-    def grad_fn(model, batch):
-        return eqx.filter_value_and_grad(loss_of, has_aux=True)(model, batch)
-
-    return grad_fn
-
-
-def accumulate(grad_fn: GradFn, model: PyTree, batch: Array, accum_steps: int):
+def accumulate(grad_fn: GradFn, model: PyTree, batch: Batch, accum_steps: int):
     """Mean loss, aux and gradients over `accum_steps` microbatches, with `jax.lax.scan`.
 
-    The batch's leading dimension is split into `[accum_steps, batch / accum_steps]`;
+    Every field's rows are split into `[accum_steps, batch / accum_steps]`;
     sums are kept in fp32. Equal to one step on the whole batch when the loss is a
     mean over equally many tokens per microbatch (as `lm_loss` without a mask).
     """
     if accum_steps == 1:
         return grad_fn(model, batch)
-    if batch.shape[0] % accum_steps:
+    rows = batch.shape[0]
+    if rows % accum_steps:
         raise ValueError(
-            f"batch of {batch.shape[0]} rows cannot be split into {accum_steps} microbatches; "
+            f"batch of {rows} rows cannot be split into {accum_steps} microbatches; "
             f"use a batch size divisible by accum_steps."
         )
-    micro = batch.reshape(accum_steps, batch.shape[0] // accum_steps, *batch.shape[1:])
-    (loss0, aux0), grads0 = jax.eval_shape(grad_fn, model, micro[0])
+    micro = jax.tree.map(lambda a: a.reshape(accum_steps, rows // accum_steps, *a.shape[1:]), batch)
+    (loss0, aux0), grads0 = jax.eval_shape(grad_fn, model, jax.tree.map(lambda a: a[0], micro))
     zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)  # noqa: E731
     carry0 = (zeros(loss0), zeros(aux0), zeros(grads0))
 
@@ -83,21 +59,26 @@ def all_finite(tree: PyTree) -> Array:
 def make_train_step(
     optimizer: optax.GradientTransformation,
     *,
-    grad_fn: GradFn | None = None,
-    accum_steps: int = 1,
+    strategy: Strategy | None = None,
     policy: Policy | None = None,
+    accum_steps: int = 1,
+    z_loss: float = 0.0,
+    model_like: PyTree = None,
+    grad_fn: GradFn | None = None,
     donate: bool = True,
-) -> Callable[[TrainState, Array], tuple[TrainState, dict[str, Array]]]:
-    """A compiled training step.
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
+    """The compiled training step of every strategy.
 
     **Arguments:**
 
     - `optimizer`: an optax transformation over `eqx.filter(model, eqx.is_array)`.
-    - `grad_fn`: `(model, batch) -> ((loss, aux), grads)`; default `make_grad_fn(policy=policy)`
-      (`lm_loss` on `[batch, seq + 1]` tokens). Pipeline, manual tensor and context
-      parallelism bring their own.
+    - `strategy`: the parallelism (`eqgpt.parallel.Strategy`); default one device.
+    - `policy`: the mixed-precision `Policy`, applied by every strategy.
     - `accum_steps`: microbatches per step, accumulated with `jax.lax.scan`.
-    - `policy`: the mixed-precision `Policy` of the default `grad_fn`.
+    - `z_loss`: weight of the z-loss term (see `eqgpt.nn.chunked_cross_entropy`).
+    - `model_like`: the model (or `eqx.filter_eval_shape` of it); the manual path needs it.
+    - `grad_fn`: your own `(model, batch) -> ((loss, aux), grads)` instead of the
+      strategy's; it then owns its precision, so `policy` must not be given.
     - `donate`: donate the state's buffers (the caller must not reuse the old state).
 
     **Returns:** `step(state, batch) -> (state, metrics)` with metrics `loss`,
@@ -107,9 +88,14 @@ def make_train_step(
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
-    grad_fn = make_grad_fn(policy=policy) if grad_fn is None else grad_fn
+    if grad_fn is not None and (policy is not None or strategy is not None or z_loss):
+        raise ValueError("make_train_step: give either grad_fn (which owns its loss and precision) or "
+                         "strategy/policy/z_loss, not both.")
+    if grad_fn is None:
+        strategy = Strategy() if strategy is None else strategy
+        grad_fn = strategy.grad_fn(policy, z_loss=z_loss, model_like=model_like)
 
-    def step(state: TrainState, batch: Array):
+    def step(state: TrainState, batch: Batch):
         (loss, aux), grads = accumulate(grad_fn, state.model, batch, accum_steps)
         finite = jnp.isfinite(loss) & all_finite(grads)
         params = eqx.filter(state.model, eqx.is_array)

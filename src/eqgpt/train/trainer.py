@@ -20,10 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from eqgpt.data.batch import Batch
 from eqgpt.data.loader import BatchLoader
+from eqgpt.parallel.placement import Placement
+from eqgpt.parallel.strategy import LossFn, Strategy
+from eqgpt.precision import Policy
 from eqgpt.train.preemption import StopSignal
 from eqgpt.train.state import TrainState
-from eqgpt.train.step import batch_loss
 
 
 @dataclass
@@ -55,8 +58,12 @@ class History:
         return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def make_eval_fn(loss_fn: Callable = batch_loss, policy=None) -> Callable:
-    """A compiled `eval(model, batch) -> mean loss` (in the compute dtype of `policy`)."""
+def make_eval_fn(loss_fn: LossFn | None = None, policy: Policy | None = None) -> Callable:
+    """A compiled `eval(model, batch) -> mean loss` (in the compute dtype of `policy`).
+
+    `loss_fn` is a strategy's (`Strategy.loss_fn()`); default the single-device loss.
+    """
+    loss_fn = Strategy().loss_fn() if loss_fn is None else loss_fn
 
     @eqx.filter_jit
     def evaluate(model, batch):
@@ -64,6 +71,25 @@ def make_eval_fn(loss_fn: Callable = batch_loss, policy=None) -> Callable:
         return loss_fn(m, batch)[0].astype(jnp.float32)
 
     return evaluate
+
+
+def eval_batches(windows: np.ndarray, batch_size: int, divisor: int) -> list[tuple[Batch, int]]:
+    """Validation windows as `(Batch, real tokens)` pairs whose rows `divisor` divides.
+
+    The last batch is padded with masked rows (loss mask 0) up to a multiple of
+    `divisor` (the devices the batch is split over), so any number of windows
+    validates on any mesh; losses are then weighted by their real tokens.
+    """
+    size = max(divisor, batch_size - batch_size % divisor)
+    out = []
+    for i in range(0, len(windows), size):
+        part = Batch.from_windows(windows[i : i + size])
+        rows, seq = part.shape
+        pad = (-rows) % divisor
+        mask = np.concatenate([np.ones((rows, seq), np.float32), np.zeros((pad, seq), np.float32)])
+        fields = [np.concatenate([a, np.zeros((pad, seq), a.dtype)]) for a in (part.tokens, part.targets)]
+        out.append((Batch(*fields, loss_mask=mask), rows * seq))
+    return out
 
 
 class _Progress:
@@ -111,12 +137,13 @@ class Trainer:
     **Arguments:**
 
     - `step_fn`: from `make_train_step`; `state`: the initial `TrainState`.
-    - `loader`: a `BatchLoader` of training tokens; `placement`: makes global batches.
+    - `loader`: a `BatchLoader` of training tokens; `placement`: a `Placement` (a
+      `Strategy` is one) that makes global batches.
     - `val_windows`: `[n, seq + 1]` validation windows (from `eval_windows`), or `None`.
     - `config`: a `TrainerConfig`.
     - `flops_per_token`, `peak_flops`: for the MFU estimate (omit to skip it).
     - `schedule`: the learning-rate schedule, for logging `lr`.
-    - `eval_fn`: `(model, batch) -> loss`; default `lm_loss` via `make_eval_fn`.
+    - `eval_fn`: `(model, batch) -> loss`; default `make_eval_fn()` (one device).
     - `checkpointer`: an `eqgpt.train.checkpoint.Checkpointer`: saves every
       `checkpointer.every` steps, at the end, and when stopped by SIGTERM/SIGINT.
 
@@ -130,7 +157,7 @@ class Trainer:
         step_fn: Callable,
         state: TrainState,
         loader: BatchLoader,
-        placement,
+        placement: Placement,
         *,
         val_windows: np.ndarray | None = None,
         config: TrainerConfig | None = None,
@@ -147,6 +174,8 @@ class Trainer:
         self.val_windows, self.config = val_windows, config
         self.flops_per_token, self.peak_flops, self.schedule = flops_per_token, peak_flops, schedule
         self.eval_fn = make_eval_fn() if eval_fn is None else eval_fn
+        self._val = (None if val_windows is None
+                     else eval_batches(val_windows, config.eval_batch_size, placement.batch_divisor))
         self.history = History()
         self.interrupted = False
         # --- checkpoints and preemption (eqgpt.train.checkpoint / preemption)
@@ -161,13 +190,11 @@ class Trainer:
 
     def validate(self, model: PyTree) -> float | None:
         """Mean loss over the validation windows (nats/token), or `None` without them."""
-        if self.val_windows is None:
+        if self._val is None:
             return None
-        bs = self.config.eval_batch_size
-        w = self.val_windows
-        n = (len(w) // bs) * bs or len(w)
-        losses = [self.eval_fn(model, self.placement.batch(w[i : i + bs])) for i in range(0, n, min(bs, n))]
-        return float(np.mean(jax.device_get(losses)))
+        losses = [self.eval_fn(model, self.placement.batch(b)) for b, _ in self._val]
+        weights = [n for _, n in self._val]
+        return float(np.average(jax.device_get(losses), weights=weights))
 
     def _log(self, row: dict):
         self.history.rows.append(row)
