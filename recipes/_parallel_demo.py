@@ -44,7 +44,7 @@ def text_batches(steps: int, batch: int, seq: int, seed: int = 0) -> list[np.nda
 def train(mesh, rules, overrides=None, *, config: eqgpt.GPTConfig | None = None, steps: int = STEPS):
     """Train `config` (default: the `nano` preset) for `steps` steps on `mesh` by `rules`; print what happened."""
     config = config or eqgpt.preset("nano")
-    rules = par.strategy(rules)
+    rules = par.preset_rules(rules)
     print(f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)} | rules {rules.name}")
     par.check_divisibility(config, mesh, rules, BATCH, SEQ, overrides)  # ValueError before compiling
 

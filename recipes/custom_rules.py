@@ -20,7 +20,7 @@ base = par.Rules(
 )
 overrides = {
     # Attention: heads over tensor (and FSDP on embed), activations split by heads.
-    "blocks.attn": base.merge(par.strategy("tp")).update(activations={"vocab": None, "mlp": None}),
+    "blocks.attn": base.merge(par.preset_rules("tp")).update(activations={"vocab": None, "mlp": None}),
     # The token table (also the tied head): split over vocab on tensor, not over embed.
     "tok_embed": base.update(params={"vocab": "tensor", "embed": None}),
 }

@@ -10,6 +10,6 @@ from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("data=8")  # or par.make_mesh(par.MeshConfig(data=-1))
-rules = par.strategy("dp")      # = par.DP: {"batch": "data"} for activations
+rules = par.preset_rules("dp")      # = par.DP: {"batch": "data"} for activations
 print(rules)
 train(mesh, rules)

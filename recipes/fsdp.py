@@ -12,6 +12,6 @@ from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("fsdp=8")
-rules = par.strategy("fsdp")  # params {"embed": "fsdp"}, activations {"batch": ("data", "fsdp")}
+rules = par.preset_rules("fsdp")  # params {"embed": "fsdp"}, activations {"batch": ("data", "fsdp")}
 print(rules)
 train(mesh, rules)

@@ -39,7 +39,7 @@ def main():
 
     config = eqgpt.GPTConfig(vocab_size=256, seq_len=64, num_layers=8, num_heads=4, embed_dim=64)
     mesh = par.make_mesh(args.mesh)
-    rules = par.strategy(args.rules) + PP  # the layer stack's `layers` axis over `pipeline`
+    rules = par.preset_rules(args.rules) + PP  # the layer stack's `layers` axis over `pipeline`
     grad_fn = pipeline_grad_fn(mesh, args.schedule, args.microbatches,
                                virtual_stages=args.virtual_stages, rules=rules)
     print(grad_fn.schedule.table())

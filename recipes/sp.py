@@ -13,6 +13,6 @@ from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("fsdp=2,tensor=4")
-rules = par.strategy("fsdp+sp")
+rules = par.preset_rules("fsdp+sp")
 print(rules.activations)  # batch -> (data, fsdp), seq -> tensor, heads/mlp/vocab -> tensor
 train(mesh, rules)

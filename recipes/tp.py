@@ -12,6 +12,6 @@ from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
 
 mesh = par.make_mesh("data=2,tensor=4")  # nano has 4 heads: one per tensor rank
-rules = par.strategy("dp+tp")
+rules = par.preset_rules("dp+tp")
 print(rules)
 train(mesh, rules)

@@ -1,5 +1,6 @@
-"""Shared pieces of the automatic-parallelism tests: tiny models, one compiled train
-step per (model, mesh, strategy), cached so parity and HLO tests reuse compiles.
+"""Shared pieces of the parallelism tests: tiny models, one compiled train step (the
+library's `make_train_step`) per (model, mesh, strategy), cached so parity and HLO
+tests reuse compiles.
 
 Compiles use `xla_backend_optimization_level=0`: it only lowers the LLVM
 optimisation of the CPU kernels (the HLO, its sharding and its collectives are
@@ -12,13 +13,14 @@ import functools
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import eqgpt
 from eqgpt import nn
 from eqgpt import parallel as par
+from eqgpt.data import Batch
+from eqgpt.train import Strategy, TrainState, make_train_step
 
 # GPT-2 style (LayerNorm, GELU, learned positions, biases, tied head) and
 # Llama style (RMSNorm, SwiGLU, RoPE, GQA 8 query / 4 kv heads, untied head).
@@ -35,23 +37,23 @@ OPTIONS = {"xla_backend_optimization_level": 0}
 OPTIMIZER = optax.adamw(1e-3)
 
 
-def loss_fn(model, x, y):
-    return nn.lm_loss(model, x, y)[0]
+def batches(steps: int = STEPS, vocab: int = 64) -> list[Batch]:
+    """`steps` host batches of random tokens (the same for every case)."""
+    return [Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(100 + i), (BATCH, SEQ + 1), 0, vocab)))
+            for i in range(steps)]
 
 
-@eqx.filter_jit
-def train_step(model, opt_state, x, y):
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
-    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss
-
-
-def batches(steps: int = STEPS, vocab: int = 64):
-    out = []
-    for i in range(steps):
-        tok = np.asarray(jax.random.randint(jax.random.key(100 + i), (BATCH, SEQ + 1), 0, vocab))
-        out.append((tok[:, :-1], tok[:, 1:]))
-    return out
+def train(strategy: Strategy, model, opt_state, steps: int = STEPS):
+    """`steps` steps of the library's one train step: per-step losses, final state, compiled step."""
+    step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
+    state = TrainState(model, opt_state, rng=jax.random.key(0))
+    data = [strategy.batch(b) for b in batches(steps)]
+    compiled = step.lower(state, data[0]).compile(OPTIONS)
+    losses = []
+    for b in data:
+        state, metrics = compiled(state, b)
+        losses.append(float(metrics["loss"]))
+    return losses, state, compiled
 
 
 @functools.cache
@@ -70,14 +72,8 @@ def arrays(model) -> dict[str, np.ndarray]:
 def reference_run(name: str):
     """Single-device fp32: per-step losses, final arrays, and the compiled step."""
     model = reference_model(name)
-    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
-    data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in batches()]
-    compiled = train_step.lower(model, opt_state, *data[0]).compile(OPTIONS)
-    losses = []
-    for x, y in data:
-        model, opt_state, loss = compiled(model, opt_state, x, y)
-        losses.append(float(loss))
-    return losses, arrays(model), compiled
+    losses, state, compiled = train(Strategy(), model, OPTIMIZER.init(eqx.filter(model, eqx.is_array)))
+    return losses, arrays(state.model), compiled
 
 
 def overrides_for(key: str | None):
@@ -88,8 +84,8 @@ def overrides_for(key: str | None):
         # Attention Megatron-sharded over tensor (and fsdp); MLP FSDP only; the token
         # table split over vocab on `tensor` instead of over embed.
         return {
-            "blocks.attn": par.strategy("fsdp+tp"),
-            "tok_embed": par.strategy("fsdp").update(params={"vocab": "tensor", "embed": None}),
+            "blocks.attn": par.preset_rules("fsdp+tp"),
+            "tok_embed": par.preset_rules("fsdp").update(params={"vocab": "tensor", "embed": None}),
         }
     raise KeyError(key)
 
@@ -99,24 +95,16 @@ def sharded_run(
     name: str, mesh_spec: str, strategy: str, overrides: str | None = None, init_directly: bool = False
 ):
     """The same training on a mesh: losses, final arrays, compiled step, placement, model."""
-    mesh = par.make_mesh(mesh_spec)
-    placement = par.ShardedPlacement(mesh, strategy, overrides_for(overrides))
-    par.check_divisibility(CONFIGS[name], mesh, placement.rules, BATCH, SEQ, placement.overrides)
+    placement = Strategy(par.make_mesh(mesh_spec), strategy, overrides=overrides_for(overrides))
+    placement.check(reference_model(name), batch_size=BATCH, seq_len=SEQ)
     if init_directly:  # the same weights, created sharded (init_sharded) rather than moved
         model = placement.init_model(lambda k: nn.GPT(CONFIGS[name], key=k), jax.random.key(0))
-    else:
-        model = placement.place_model(reference_model(name))
-    if init_directly:
         opt_state = placement.init_opt_state(OPTIMIZER, model)
     else:  # moved rather than compiled: one compile fewer per case
+        model = placement.place_model(reference_model(name))
         opt_state = placement.place_opt_state(OPTIMIZER.init(eqx.filter(model, eqx.is_array)), model)
-    data = [(placement.batch(x), placement.batch(y)) for x, y in batches()]
-    compiled = train_step.lower(model, opt_state, *data[0]).compile(OPTIONS)
-    losses = []
-    for x, y in data:
-        model, opt_state, loss = compiled(model, opt_state, x, y)
-        losses.append(float(loss))
-    return losses, arrays(model), compiled, placement, model
+    losses, state, compiled = train(placement, model, opt_state)
+    return losses, arrays(state.model), compiled, placement, model
 
 
 def param_bytes(model) -> int:

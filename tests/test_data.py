@@ -66,17 +66,17 @@ def test_loader_is_a_function_of_seed_and_step(tmp_path):
     tokens = np.arange(5000, dtype=np.uint16) % 256
     a = BatchLoader(tokens, batch_size=8, seq_len=16, seed=3)
     b = BatchLoader(tokens, batch_size=8, seq_len=16, seed=3)
-    assert np.array_equal(a.local_batch(7), b.local_batch(7))  # same (seed, step)
-    assert np.array_equal(a.local_batch(7), a.local_batch(7))  # no hidden state
-    assert not np.array_equal(a.local_batch(7), a.local_batch(8))
-    assert not np.array_equal(a.local_batch(7), BatchLoader(tokens, batch_size=8, seq_len=16, seed=4).local_batch(7))
-    assert a.local_batch(0).shape == (8, 17)
+    assert np.array_equal(a.local_windows(7), b.local_windows(7))  # same (seed, step)
+    assert np.array_equal(a.local_windows(7), a.local_windows(7))  # no hidden state
+    assert not np.array_equal(a.local_windows(7), a.local_windows(8))
+    assert not np.array_equal(a.local_windows(7), BatchLoader(tokens, batch_size=8, seq_len=16, seed=4).local_windows(7))
+    assert a.local_windows(0).shape == (8, 17)
     # Two processes each load half the rows; together they are the one-process batch.
-    halves = [BatchLoader(tokens, batch_size=8, seq_len=16, seed=3, process_index=i, process_count=2).local_batch(7)
+    halves = [BatchLoader(tokens, batch_size=8, seq_len=16, seed=3, process_index=i, process_count=2).local_windows(7)
               for i in range(2)]
-    assert np.array_equal(np.concatenate(halves), a.local_batch(7))
-    g = SingleDevice().batch(a.local_batch(7))
-    assert g.shape == (8, 17) and np.array_equal(np.asarray(g), a.local_batch(7))
+    assert np.array_equal(np.concatenate(halves), a.local_windows(7))
+    g = SingleDevice().batch(a.local_batch(7))  # the Batch: inputs and targets shifted by one
+    assert g.shape == (8, 16) and np.array_equal(np.asarray(g.targets), a.local_windows(7)[:, 1:])
 
 
 def test_training_never_reads_validation(tmp_path):
@@ -90,7 +90,7 @@ def test_training_never_reads_validation(tmp_path):
     assert c.val_files == c0.val_files
     digits = np.frombuffer(b"0123456789", np.uint8)
     loader = BatchLoader(c.train, batch_size=16, seq_len=32, seed=0)
-    seen = np.concatenate([loader.local_batch(s).ravel() for s in range(200)])
+    seen = np.concatenate([loader.local_windows(s).ravel() for s in range(200)])
     assert not np.isin(seen, digits).any()
     assert np.isin(eval_windows(c.val, seq_len=32, num_windows=4), digits).all()
 

@@ -37,18 +37,18 @@ def test_presets_map_logical_names_as_documented():
 
 
 def test_strategy_composition_is_a_union_independent_of_order():
-    r = par.strategy("dp+fsdp+tp")
-    assert r == par.strategy("tp+fsdp+dp")
+    r = par.preset_rules("dp+fsdp+tp")
+    assert r == par.preset_rules("tp+fsdp+dp")
     assert r.activations["batch"] == ("data", "fsdp")
     assert r.params["embed"] == ("fsdp",) and r.params["heads"] == ("tensor",)
-    assert par.strategy("sp").params == par.TP.params  # sp implies tp
-    assert par.strategy("fsdp+sp").activations["seq"] == ("tensor",)
-    assert par.strategy(r) is r
+    assert par.preset_rules("sp").params == par.TP.params  # sp implies tp
+    assert par.preset_rules("fsdp+sp").activations["seq"] == ("tensor",)
+    assert par.preset_rules(r) is r
 
 
 def test_rules_are_frozen_hashable_and_updatable():
-    r = par.strategy("fsdp")
-    assert hash(r) == hash(par.strategy("fsdp")) and {r: 1}[par.strategy("fsdp")] == 1
+    r = par.preset_rules("fsdp")
+    assert hash(r) == hash(par.preset_rules("fsdp")) and {r: 1}[par.preset_rules("fsdp")] == 1
     with pytest.raises(AttributeError):
         r.name = "x"
     assert pickle.loads(pickle.dumps(r)) == r and copy.deepcopy(r).name == "fsdp"
@@ -65,8 +65,8 @@ def test_a_mesh_axis_is_used_once_per_spec():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: par.strategy("dp+zero"), "unknown strategy"),
-        (lambda: par.strategy(""), "empty strategy"),
+        (lambda: par.preset_rules("dp+zero"), "unknown strategy"),
+        (lambda: par.preset_rules(""), "empty strategy"),
         (lambda: par.Rules(params={"embed": "model"}), "unknown mesh axis 'model'"),
         (lambda: par.Rules(params={"embed": ("fsdp", "fsdp")}), "repeated"),
         (lambda: par.FSDP.spec(("embed",), kind="weights"), "kind must be"),
@@ -79,7 +79,7 @@ def test_bad_rules_raise_value_error(make, match):
 
 def test_spec_with_a_mesh_drops_size_one_axes_and_checks_divisibility():
     mesh = par.make_mesh("fsdp=8")
-    r = par.strategy("dp+fsdp+tp")
+    r = par.preset_rules("dp+fsdp+tp")
     assert r.spec(("batch", "seq"), "activations", mesh=mesh) == P("fsdp", None)
     with pytest.raises(ValueError, match=r"size 12, not divisible by mesh axes \('fsdp',\) of total size 8"):
         r.spec(("embed",), shape=(12,), mesh=mesh)
@@ -92,7 +92,7 @@ def test_spec_with_a_mesh_drops_size_one_axes_and_checks_divisibility():
 # --- model specs, overrides, constraints --------------------------------------------
 
 def test_param_specs_follow_logical_axes_with_a_leading_layers_dim():
-    specs = par.param_specs(abstract(), par.strategy("fsdp+tp"))
+    specs = par.param_specs(abstract(), par.preset_rules("fsdp+tp"))
     assert specs.blocks.attn.q_proj.weight == P(None, "fsdp", "tensor")
     assert specs.blocks.attn.o_proj.weight == P(None, "tensor", "fsdp")
     assert specs.blocks.mlp.down.bias == P(None, "fsdp")
@@ -101,15 +101,15 @@ def test_param_specs_follow_logical_axes_with_a_leading_layers_dim():
 
 
 def test_overrides_apply_to_the_module_subtree_longest_prefix_first():
-    tp = par.strategy("tp")
-    overrides = {"blocks": par.strategy("fsdp"), "blocks.attn": tp}
+    tp = par.preset_rules("tp")
+    overrides = {"blocks": par.preset_rules("fsdp"), "blocks.attn": tp}
     specs = par.param_specs(abstract(), par.REPLICATED, overrides)
     assert specs.blocks.attn.q_proj.weight == P(None, None, "tensor")
     assert specs.blocks.mlp.up.weight == P(None, "fsdp", None)
     assert specs.tok_embed.weight == P(None, None)
     model = par.with_constraints(abstract(), par.make_mesh("tensor=8"), par.REPLICATED, overrides)
-    assert model.blocks.attn.shard.rules == tp and model.blocks.mlp.shard.rules == par.strategy("fsdp")
-    assert model.shard.rules == par.REPLICATED and model.blocks.shard.rules == par.strategy("fsdp")
+    assert model.blocks.attn.shard.rules == tp and model.blocks.mlp.shard.rules == par.preset_rules("fsdp")
+    assert model.shard.rules == par.REPLICATED and model.blocks.shard.rules == par.preset_rules("fsdp")
     with pytest.raises(ValueError, match="matches no array"):
         par.param_specs(abstract(), par.REPLICATED, {"blocks.atn": tp})
 
@@ -117,7 +117,7 @@ def test_overrides_apply_to_the_module_subtree_longest_prefix_first():
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_constraint_pins_activations_on_auto_and_explicit_meshes(axis_type):
     mesh = par.make_mesh("data=2,tensor=4", axis_types=axis_type)
-    hook = par.ShardingConstraint(mesh, par.strategy("dp+sp"))
+    hook = par.ShardingConstraint(mesh, par.preset_rules("dp+sp"))
     x = jax.device_put(jnp.arange(8 * 16 * 4.0).reshape(8, 16, 4), NamedSharding(mesh, P()))
     y = jax.jit(lambda x: hook(x * 2, ("batch", "seq", "embed")))(x)
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "tensor", None)), 3)
@@ -130,7 +130,7 @@ def test_constraint_pins_activations_on_auto_and_explicit_meshes(axis_type):
 
 def test_init_sharded_equals_unsharded_init_and_never_holds_whole_weights():
     mesh = par.make_mesh("fsdp=4,tensor=2")
-    rules = par.strategy("fsdp+tp")
+    rules = par.preset_rules("fsdp+tp")
     make = lambda k: nn.GPT(GPT_CFG, key=k)  # noqa: E731
     # The program init_sharded runs (init_sharded itself is trained against one
     # device in test_parallel_parity); compiled here to read its memory.
@@ -198,22 +198,22 @@ def test_batches_are_global_arrays_split_over_data_and_fsdp():
 )
 def test_indivisible_sizes_raise_before_compile_naming_the_numbers(mesh, strategy, batch, seq, changes, match):
     with pytest.raises(ValueError, match=match):
-        par.check_divisibility(GPT_CFG.replace(**changes), par.make_mesh(mesh), par.strategy(strategy), batch, seq)
+        par.check_divisibility(GPT_CFG.replace(**changes), par.make_mesh(mesh), par.preset_rules(strategy), batch, seq)
 
 
 def test_kv_heads_fewer_than_tensor_ranks_are_replicated_not_an_error():
     cfg = CONFIGS["llama"]  # 8 heads, 4 kv heads
-    par.check_divisibility(cfg, par.make_mesh("tensor=8"), par.strategy("tp"), 8, 32)
-    specs = par.param_specs(abstract(cfg), par.strategy("tp"), mesh=par.make_mesh("tensor=8"))
+    par.check_divisibility(cfg, par.make_mesh("tensor=8"), par.preset_rules("tp"), 8, 32)
+    specs = par.param_specs(abstract(cfg), par.preset_rules("tp"), mesh=par.make_mesh("tensor=8"))
     assert specs.blocks.attn.k_proj.weight == P(None, None, None)
     assert specs.blocks.attn.q_proj.weight == P(None, None, "tensor")
 
 
 def test_replication_guard_passes_fsdp_and_catches_a_rule_set_that_forgets_embed():
     model, mesh = abstract(), par.make_mesh("fsdp=8")
-    frac = par.check_replication(model, mesh, par.strategy("fsdp"))
+    frac = par.check_replication(model, mesh, par.preset_rules("fsdp"))
     assert 0 < frac < 0.02  # only the heads/mlp-sized biases stay whole
-    assert par.check_replication(model, par.make_mesh("data=8"), par.strategy("dp")) == 0.0
+    assert par.check_replication(model, par.make_mesh("data=8"), par.preset_rules("dp")) == 0.0
     forgetful = par.Rules(params={"mlp": "fsdp"}, activations={"batch": "fsdp"}, name="mlp-only")
     with pytest.raises(ValueError, match=r"leave .*% of parameter bytes replicated .*blocks.attn"):
         par.check_replication(model, mesh, forgetful)

@@ -9,18 +9,19 @@ import numpy as np
 import optax
 import pytest
 
-from eqgpt.data import BatchLoader
+from eqgpt.data import Batch, BatchLoader
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, matmul_params
 from eqgpt.train import (
     Policy,
     SingleDevice,
+    Strategy,
     TrainState,
     decay_mask,
+    eval_batches,
     load_model,
-    make_grad_fn,
-    make_optimizer,
     make_lr_schedule,
+    make_optimizer,
     make_train_step,
     save_model,
 )
@@ -43,7 +44,7 @@ STEP = make_train_step(OPT)
 
 
 def batch_of(seed, rows=8):
-    return jax.random.randint(jax.random.key(seed), (rows, 33), 0, TINY.vocab_size)
+    return Batch.from_windows(jax.random.randint(jax.random.key(seed), (rows, 33), 0, TINY.vocab_size))
 
 
 def test_loss_goes_down_over_30_steps():
@@ -115,13 +116,35 @@ def test_schedule_and_bad_settings():
         make_train_step(optax.sgd(1.0), accum_steps=0)
     with pytest.raises(ValueError, match="choose"):
         Policy(compute_dtype="int8")
+    with pytest.raises(ValueError, match="not both"):  # a policy would be silently ignored
+        make_train_step(optax.sgd(1.0), grad_fn=Strategy().grad_fn(), policy=Policy())
+    with pytest.raises(ValueError, match=r"\[batch, seq \+ 1\]"):
+        Batch.from_windows(np.zeros((4,), np.int32))
+    with pytest.raises(ValueError, match="every field"):
+        Batch(np.zeros((2, 4), np.int32), np.zeros((2, 5), np.int32))
+
+
+def test_batch_is_the_shifted_windows_and_validation_pads_to_the_mesh():
+    windows = np.arange(2 * 5, dtype=np.int32).reshape(2, 5)
+    b = Batch.from_windows(windows)
+    np.testing.assert_array_equal(b.tokens, windows[:, :-1])
+    np.testing.assert_array_equal(b.targets, windows[:, 1:])
+    # 3 windows on a batch split 4 ways: one batch of 4 rows, the 4th masked out.
+    (padded, real), = eval_batches(np.tile(windows, (2, 1))[:3], batch_size=16, divisor=4)
+    assert padded.shape == (4, 4) and real == 3 * 4
+    np.testing.assert_array_equal(padded.loss_mask.sum(axis=1), [4, 4, 4, 0])
+    # The masked mean over the padded batch is the mean over the real rows.
+    model = GPT(TINY.replace(seq_len=4), key=jax.random.key(0))
+    loss_fn = eqx.filter_jit(Strategy().loss_fn())
+    np.testing.assert_allclose(float(loss_fn(model, padded)[0]),
+                               float(loss_fn(model, Batch.from_windows(np.tile(windows, (2, 1))[:3]))[0]), rtol=1e-6)
 
 
 def test_bf16_policy_keeps_fp32_params_and_grads():
     model = GPT(TINY, key=jax.random.key(0))
     policy = Policy.named("bf16")
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(eqx.filter(policy.cast_to_compute(model), eqx.is_inexact_array)))
-    (loss, _), grads = eqx.filter_jit(make_grad_fn(policy=policy))(model, batch_of(0, rows=2))
+    (loss, _), grads = eqx.filter_jit(Strategy().grad_fn(policy))(model, batch_of(0, rows=2))
     assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array)))
     assert Policy.default("cpu").compute_dtype == "fp32" and Policy.default("gpu").compute_dtype == "bf16"

@@ -17,7 +17,7 @@ from eqgpt.parallel.rules import (
     TP,
     AxisTable,
     Rules,
-    strategy,
+    preset_rules,
 )
 from eqgpt.parallel.shard import (
     ShardingConstraint,
@@ -40,7 +40,7 @@ from eqgpt.parallel.shard import (
 from eqgpt.parallel.strategy import PipelineConfig, Strategy
 
 __all__ = [
-    "AXES", "MeshConfig", "make_mesh", "mesh_config", "Rules", "AxisTable", "strategy",
+    "AXES", "MeshConfig", "make_mesh", "mesh_config", "Rules", "AxisTable", "preset_rules",
     "PRESET_RULES", "DP", "FSDP", "TP", "SP", "REPLICATED", "ShardingConstraint",
     "param_specs", "param_shardings", "with_constraints", "shard_model", "init_sharded", "lower_init",
     "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded", "batch_sharding",

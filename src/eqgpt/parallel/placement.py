@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from eqgpt.parallel.rules import Rules, strategy
+from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.parallel.shard import (
     batch_sharding,
     init_opt_state_sharded,
@@ -115,7 +115,7 @@ class ShardedPlacement:
 
     def __init__(self, mesh: Mesh, rules: Rules | str, overrides: Mapping[str, Rules] | None = None):
         self.mesh: Mesh | None = mesh
-        self.rules = strategy(rules)
+        self.rules = preset_rules(rules)
         self.overrides = dict(overrides or {})
 
     def __repr__(self) -> str:

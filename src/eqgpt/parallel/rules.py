@@ -15,7 +15,7 @@ Strategies are rule sets, composed with `+`:
 - `sp`:   `tp` plus the residual stream's `seq` over `tensor` (norms and residual
           adds run on a slice of the sequence between the tensor-parallel regions).
 
-`strategy("dp+fsdp+tp")` merges presets; `Rules(params=..., activations=...)` is a
+`preset_rules("dp+fsdp+tp")` merges presets; `Rules(params=..., activations=...)` is a
 user-defined set, and `rules.update(...)` replaces single entries.
 """
 
@@ -205,7 +205,7 @@ class Rules:
     def merge(self, other: Rules) -> Rules:
         """Union of two rule sets: a logical name gets the mesh axes of both, in mesh order.
 
-        `strategy("dp+fsdp")` is `DP.merge(FSDP)`: batch over `data` and over
+        `preset_rules("dp+fsdp")` is `DP.merge(FSDP)`: batch over `data` and over
         `(data, fsdp)` becomes `(data, fsdp)`.
         """
 
@@ -256,7 +256,7 @@ REPLICATED = Rules(name="replicated")
 PRESET_RULES: dict[str, Rules] = {"dp": DP, "fsdp": FSDP, "tp": TP, "sp": SP}
 
 
-def strategy(spec: str | Rules) -> Rules:
+def preset_rules(spec: str | Rules) -> Rules:
     """Rules for a strategy name or `+`-composition: `"fsdp"`, `"dp+fsdp+tp"`, `"fsdp+sp"`.
 
     `sp` implies `tp`. A `Rules` passes through unchanged.

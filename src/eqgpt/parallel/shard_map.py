@@ -22,7 +22,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from eqgpt.parallel.rules import Rules, strategy
+from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.parallel.shard import param_specs
 
 
@@ -124,7 +124,7 @@ def specs_from_rules(model: PyTree, rules: Rules | str, mesh: Mesh) -> PyTree:
 
     **Returns:** the model's structure with a `PartitionSpec` at each array leaf.
     """
-    return param_specs(model, strategy(rules), mesh=mesh)
+    return param_specs(model, preset_rules(rules), mesh=mesh)
 
 
 def place(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:

@@ -38,7 +38,7 @@ from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_loss
 from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
-from eqgpt.parallel.rules import Rules, strategy as make_rules
+from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.precision import Policy
 
 LossFn = Callable[[PyTree, Batch], tuple[Array, dict[str, Array]]]
@@ -102,7 +102,7 @@ class Strategy:
     overrides: Mapping[str, Rules] | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "rules", make_rules(self.rules))
+        object.__setattr__(self, "rules", preset_rules(self.rules))
         if self.mesh is None:
             parts = [n for n, v in (("pipeline", self.pipeline), ("context", self.context),
                                     ("manual", self.manual)) if v]
