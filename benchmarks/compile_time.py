@@ -9,27 +9,25 @@ import time
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 
 import eqgpt
 from eqgpt import nn
+from eqgpt.data import Batch
+from eqgpt.train import TrainState, make_train_step
 
 
 def compile_seconds(num_layers: int) -> float:
+    """Seconds to lower and compile the library's training step (`make_train_step`)."""
     cfg = eqgpt.preset("nano").replace(num_layers=num_layers)
     model = nn.GPT(cfg, key=jax.random.key(0))
     opt = optax.adamw(1e-3)
-    opt_state = opt.init(eqx.filter(model, eqx.is_array))
-    toks = jax.numpy.zeros((8, cfg.seq_len), jax.numpy.int32)
-
-    @eqx.filter_jit
-    def step(model, opt_state, toks):
-        loss, grads = eqx.filter_value_and_grad(lambda m: nn.lm_loss(m, toks, toks)[0])(model)
-        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, loss
-
+    state = TrainState(model, opt.init(eqx.filter(model, eqx.is_array)), rng=jax.random.key(1))
+    batch = Batch.from_windows(np.zeros((8, cfg.seq_len + 1), np.int32))
+    step = make_train_step(opt)
     start = time.perf_counter()
-    step.lower(model, opt_state, toks).compile()
+    step.lower(state, batch).compile()
     return time.perf_counter() - start
 
 

@@ -1,9 +1,11 @@
 """Shared by the parallel recipes (dp, fsdp, tp, sp, custom_rules, manual_tp, pipeline, context).
 
 Importing it first gives JAX 8 simulated CPU devices (when no accelerator is
-asked for). `train(mesh, rules)` then does what every recipe shows: place the
-`nano` model by the rules, train a few AdamW steps on the bytes of the standard
-library's `json` package, and print the losses and the compiled step's collectives and memory.
+asked for). `train(strategy)` then does what every recipe shows: place a model
+as the `Strategy` says, train a few AdamW steps with the library's one
+`make_train_step` on the bytes of the standard library's `json` package, and
+print the losses, the first loss on one device, and the compiled step's
+collectives and memory.
 """
 
 from __future__ import annotations
@@ -27,48 +29,46 @@ import optax  # noqa: E402
 import eqgpt  # noqa: E402
 from eqgpt import nn  # noqa: E402
 from eqgpt import parallel as par  # noqa: E402
+from eqgpt.data import Batch  # noqa: E402
 from eqgpt.profile import report  # noqa: E402
+from eqgpt.train import Strategy, TrainState, make_train_step  # noqa: E402
 
 BATCH, SEQ, STEPS = 8, 64, 5
 
 
-def text_batches(steps: int, batch: int, seq: int, seed: int = 0) -> list[np.ndarray]:
-    """`[batch, seq + 1]` windows of the standard library's `json` package source, as bytes (vocab 256)."""
+def text_batches(steps: int, batch: int, seq: int, seed: int = 0) -> list[Batch]:
+    """`Batch`es of `[batch, seq]` bytes of the standard library's `json` package source (vocab 256)."""
     root = Path(json.__file__).parent
     data = np.frombuffer(b"".join(p.read_bytes() for p in sorted(root.glob("*.py"))), np.uint8)
     rng = np.random.default_rng(seed)
-    return [np.stack([data[s: s + seq + 1] for s in rng.integers(0, len(data) - seq - 1, batch)]).astype(np.int32)
-            for _ in range(steps)]
+    return [Batch.from_windows(np.stack([data[s: s + seq + 1] for s in rng.integers(0, len(data) - seq - 1, batch)])
+                               .astype(np.int32)) for _ in range(steps)]
 
 
-def train(mesh, rules, overrides=None, *, config: eqgpt.GPTConfig | None = None, steps: int = STEPS):
-    """Train `config` (default: the `nano` preset) for `steps` steps on `mesh` by `rules`; print what happened."""
-    config = config or eqgpt.preset("nano")
-    rules = par.preset_rules(rules)
-    print(f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)} | rules {rules.name}")
-    par.check_divisibility(config, mesh, rules, BATCH, SEQ, overrides)  # ValueError before compiling
-
-    placement = par.ShardedPlacement(mesh, rules, overrides)
-    model = placement.init_model(lambda k: nn.GPT(config, key=k), jax.random.key(0))
-    if rules.uses("params", mesh):  # a strategy that shards weights must really shard them
-        frac = par.check_replication(model, mesh, rules, max_fraction=0.05, overrides=overrides)
-        print(f"replicated parameter bytes: {frac:.2%}")
-    optimizer = optax.adamw(3e-3)
-    opt_state = placement.init_opt_state(optimizer, model)
+def train(strategy: Strategy, *, config: eqgpt.GPTConfig | None = None, steps: int = STEPS,
+          batch: int = BATCH) -> list[float]:
+    """Train `config` (default: the `nano` preset) for `steps` steps as `strategy` says; print what happened."""
+    config = config or eqgpt.preset("nano", seq_len=SEQ)
+    print(repr(strategy))
+    make = lambda k: nn.GPT(config, key=k)  # noqa: E731
+    strategy.check(jax.eval_shape(make, jax.random.key(0)), batch_size=batch, seq_len=config.seq_len)  # before compiling
+    model = strategy.init_model(make, jax.random.key(0))
+    if strategy.rules.uses("params", strategy.mesh) and not (strategy.pipeline or strategy.manual):
+        frac = par.check_replication(model, strategy.mesh, strategy.rules, 0.05, strategy.overrides)
+        print(f"replicated parameter bytes: {frac:.2%}")  # a strategy that shards weights must really shard them
     q = model.blocks.attn.q_proj.weight
     print(f"q_proj.weight {q.shape} sharded {q.sharding.spec}; per device {q.addressable_shards[0].data.shape}")
-
-    @eqx.filter_jit
-    def step(model, opt_state, x, y):
-        loss, grads = eqx.filter_value_and_grad(lambda m: nn.lm_loss(m, x, y)[0])(model)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, loss
-
-    # Inputs and targets, each a global [batch, seq] array split as the rules say.
-    batches = [(placement.batch(b[:, :-1]), placement.batch(b[:, 1:])) for b in text_batches(steps, BATCH, SEQ)]
-    compiled = step.lower(model, opt_state, *batches[0]).compile()
-    for i, (x, y) in enumerate(batches):
-        model, opt_state, loss = compiled(model, opt_state, x, y)
-        print(f"step {i}: loss {float(loss):.4f}")
-    print(report(compiled, mesh=mesh, title=rules.name))
-    return model
+    optimizer = optax.adamw(3e-3)
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=jax.random.key(1))
+    step = make_train_step(optimizer, strategy=strategy, model_like=model, donate=False)
+    batches = [strategy.batch(b) for b in text_batches(steps, batch, config.seq_len)]
+    single = eqx.filter_jit(Strategy().loss_fn())(Strategy().place_model(model), Strategy().batch(batches[0]))[0]
+    compiled = step.lower(state, batches[0]).compile()
+    losses = []
+    for i, b in enumerate(batches):
+        state, metrics = compiled(state, b)
+        losses.append(float(metrics["loss"]))
+        print(f"step {i}: loss {losses[-1]:.4f}")
+    print(f"step 0 on one device: {float(single):.4f}")
+    print(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+    return losses

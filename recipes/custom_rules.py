@@ -11,6 +11,7 @@ Nothing in the model changes: the modules only name their dimensions.
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
+from eqgpt.parallel import Strategy
 
 mesh = par.make_mesh("fsdp=4,tensor=2")
 base = par.Rules(
@@ -26,4 +27,4 @@ overrides = {
 }
 for path, rules in overrides.items():
     print(f"{path}: {rules}")
-train(mesh, base, overrides)
+train(Strategy(mesh, base, overrides=overrides))

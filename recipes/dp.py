@@ -8,8 +8,9 @@ all-reduce of the gradients (all parameter bytes) per step.
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
+from eqgpt.parallel import Strategy
 
 mesh = par.make_mesh("data=8")  # or par.make_mesh(par.MeshConfig(data=-1))
 rules = par.preset_rules("dp")      # = par.DP: {"batch": "data"} for activations
 print(rules)
-train(mesh, rules)
+train(Strategy(mesh, rules))

@@ -10,8 +10,9 @@ appears as "all-reduce+slice" (see docs/parallelism/fsdp.md).
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
+from eqgpt.parallel import Strategy
 
 mesh = par.make_mesh("fsdp=8")
 rules = par.preset_rules("fsdp")  # params {"embed": "fsdp"}, activations {"batch": ("data", "fsdp")}
 print(rules)
-train(mesh, rules)
+train(Strategy(mesh, rules))

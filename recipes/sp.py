@@ -11,8 +11,9 @@ stored activations shrink by the tensor size.
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
+from eqgpt.parallel import Strategy
 
 mesh = par.make_mesh("fsdp=2,tensor=4")
 rules = par.preset_rules("fsdp+sp")
 print(rules.activations)  # batch -> (data, fsdp), seq -> tensor, heads/mlp/vocab -> tensor
-train(mesh, rules)
+train(Strategy(mesh, rules))

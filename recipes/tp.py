@@ -10,8 +10,9 @@ projection and after the MLP down projection).
 
 from _parallel_demo import train  # first: 8 simulated CPU devices
 from eqgpt import parallel as par
+from eqgpt.parallel import Strategy
 
 mesh = par.make_mesh("data=2,tensor=4")  # nano has 4 heads: one per tensor rank
 rules = par.preset_rules("dp+tp")
 print(rules)
-train(mesh, rules)
+train(Strategy(mesh, rules))

@@ -158,13 +158,13 @@ class TrainConfig:
     eval_every: int = 100
     """Steps between validation losses."""
     eval_windows: int = 64
-    """Validation windows (fixed, spread over the held-out files); any number works on any mesh."""
+    """Validation windows (fixed, spread over the held-out files); any number works on any mesh; 0: no validation."""
     peak_flops: float | None = None
     """Peak FLOP/s for the MFU estimate (default: GPU table, or a measured matmul on CPU)."""
     sample_prompts: tuple[str, ...] = ("def ", "class ", "import ")
     """Prompts of the samples generated at the end."""
     sample_tokens: int = 100
-    """New tokens per sample."""
+    """New tokens per sample (0: no samples)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -223,7 +223,7 @@ def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: T
 def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig) -> list[str]:
     """Generate from --sample-prompts with the trained model (KV cache, one device's view)."""
     tok = ByteTokenizer()
-    n_new = min(cfg.sample_tokens, model_cfg.seq_len - max(len(tok.encode(p)) for p in cfg.sample_prompts))
+    n_new = min(cfg.sample_tokens, model_cfg.seq_len - max((len(tok.encode(p)) for p in cfg.sample_prompts), default=0))
     if n_new < 1:
         return []
     return [generate_text(state.model, tok, p, n_new, key=jax.random.fold_in(state.rng, i))[0]
@@ -251,8 +251,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus_name: str
         (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
         print("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)), end="")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"done: val loss {summary['first_val_loss']:.3f} -> {summary['val_loss']:.3f} nats/byte "
-              f"in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
+        val = f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} nats/byte " if vals else ""
+        print(f"done: {val}in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
     return summary
 
 
@@ -296,7 +296,8 @@ def main(cfg: TrainConfig) -> dict:
 
     trainer = Trainer(
         step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
-        val_windows=eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows),
+        val_windows=eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
+        if cfg.eval_windows else None,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
                              progress=cfg.progress),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,

@@ -7,6 +7,7 @@ The layers are one `Block` whose arrays carry a leading `layers` axis, built wit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -46,22 +47,36 @@ class GPT(eqx.Module):
 
     tok_embed: Embedding
     pos_embed: Embedding | None
-    blocks: Block
+    blocks: eqx.Module
     norm: LayerNorm | RMSNorm
     head: Linear | None
     shard: NoConstraint
     config: GPTConfig = eqx.field(static=True)
 
-    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
-        """**Arguments:** `config`, and `key` (a `jax.random.PRNGKey`)."""
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        key: PRNGKeyArray,
+        block_factory: Callable[..., eqx.Module] | None = None,
+    ):
+        """**Arguments:**
+
+        - `config`: the model's sizes and choices.
+        - `key`: a `jax.random.PRNGKey`.
+        - `block_factory`: `block_factory(config, key=key) -> Block` builds one layer
+          (default `make_block`); pass your own to use your own attention, MLP or
+          kernel in every layer (see `docs/extending.md`).
+        """
         c = config
+        block_factory = make_block if block_factory is None else block_factory
         kt, kp, kb, kh = jax.random.split(key, 4)
         self.tok_embed = Embedding(c.vocab_size, c.embed_dim, axes=("vocab", "embed"), init_std=c.init_std, key=kt)
         self.pos_embed = (
             Embedding(c.seq_len, c.embed_dim, axes=(None, "embed"), init_std=0.01, key=kp)
             if c.position == "learned" else None
         )
-        self.blocks = eqx.filter_vmap(lambda k: make_block(c, key=k))(jax.random.split(kb, c.num_layers))
+        self.blocks = eqx.filter_vmap(lambda k: block_factory(c, key=k))(jax.random.split(kb, c.num_layers))
         self.norm = make_norm(c.norm, c.embed_dim, eps=c.norm_eps, use_bias=c.use_bias)
         self.head = (
             None if c.tie_embeddings

@@ -19,6 +19,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray, PyTree
 
+from eqgpt.nn.axes import NoConstraint, map_constraints
+
 from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.parallel.shard import (
     batch_sharding,
@@ -83,8 +85,10 @@ class SingleDevice:
             return eqx.filter_jit(make)(key)
 
     def place_model(self, model: PyTree) -> PyTree:
-        """The model's arrays moved to the device."""
-        return jax.device_put(model, self.sharding)
+        """The model's arrays moved to the device, its activation hooks back to no constraint."""
+        model = map_constraints(model, lambda _path, _hook: NoConstraint())
+        arrays, static = eqx.partition(model, eqx.is_array)
+        return eqx.combine(jax.device_put(arrays, self.sharding), static)
 
     def init_opt_state(self, optimizer: optax.GradientTransformation, model: PyTree) -> PyTree:
         """`optimizer.init` of the model's arrays, on the model's device."""
@@ -93,7 +97,8 @@ class SingleDevice:
 
     def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """The optimizer state's arrays moved to the device."""
-        return jax.device_put(opt_state, self.sharding)
+        arrays, static = eqx.partition(opt_state, eqx.is_array)
+        return eqx.combine(jax.device_put(arrays, self.sharding), static)
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (an array or a pytree of arrays, e.g. a `Batch`)."""

@@ -166,7 +166,8 @@ class Strategy:
         """Mesh axes some part of this strategy splits work over."""
         if self.mesh is None:
             return ()
-        used = set(self.rules.uses("params", self.mesh)) | set(self.rules.uses("activations", self.mesh))
+        used = {a for r in (self.rules, *(self.overrides or {}).values())
+                for kind in ("params", "activations") for a in r.uses(kind, self.mesh)}
         if self.pipeline is not None:
             used |= {"pipeline", "data", "fsdp"}  # the pipeline splits microbatch rows over data and fsdp
         if self.manual:
@@ -205,12 +206,16 @@ class Strategy:
             from eqgpt.parallel.manual import manual_placement
 
             return manual_placement(self.mesh, model_like)
-        rules = self.rules
-        if self.pipeline is not None:
-            from eqgpt.parallel.pipeline import PP
+        return ShardedPlacement(self.mesh, self.param_rules, self.overrides)
 
-            rules = rules.merge(PP).update(name=rules.name)
-        return ShardedPlacement(self.mesh, rules, self.overrides)
+    @property
+    def param_rules(self) -> Rules:
+        """The rules parameters are placed by: `rules`, and under a pipeline `layers` over `pipeline`."""
+        if self.pipeline is None:
+            return self.rules
+        from eqgpt.parallel.pipeline import PP
+
+        return self.rules.merge(PP).update(name=self.rules.name)
 
     @property
     def batch_divisor(self) -> int:
@@ -241,7 +246,10 @@ class Strategy:
         return self.prepare(self.placement_for(abstract).init_model(make, key))
 
     def place_model(self, model: PyTree) -> PyTree:
-        """An existing model (any placement) moved into this strategy's layout."""
+        """An existing model (any placement, any strategy's kernels) moved into this strategy's layout."""
+        from eqgpt.parallel.context import strip_context_attention
+
+        model = strip_context_attention(model)
         return self.prepare(self.placement_for(model).place_model(model))
 
     def init_opt_state(self, optimizer: Any, model: PyTree) -> PyTree:
@@ -296,7 +304,7 @@ class Strategy:
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import check_pipeline
 
-            check_pipeline(_num_layers(model_like), self.mesh, self._schedule())
+            check_pipeline(_num_layers(model_like), self.mesh, self.pipeline_schedule())
         if self.manual:
             from eqgpt.parallel.tensor import check_tensor_parallel
 
@@ -305,7 +313,8 @@ class Strategy:
                 raise ValueError(f"sequence parallelism splits the sequence over tensor={self.mesh.shape['tensor']}"
                                  f" devices; use a seq_len divisible by it (got {seq_len}).")
 
-    def _schedule(self):
+    def pipeline_schedule(self):
+        """The pipeline `Schedule` on this mesh (a table of what each stage does at each tick)."""
         from eqgpt.parallel.pipeline import make_pipeline_schedule
 
         p = self.pipeline
@@ -343,7 +352,7 @@ class Strategy:
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import pipeline_grad_fn
 
-            return pipeline_grad_fn(self.mesh, self._schedule(), rules=self.rules, chunk_size=chunk_size,
+            return pipeline_grad_fn(self.mesh, self.pipeline_schedule(), rules=self.param_rules, chunk_size=chunk_size,
                                     z_loss=z_loss, policy=policy, context=self.context)
         if self.manual:
             from eqgpt.parallel.manual import manual_grad_fn

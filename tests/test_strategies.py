@@ -1,0 +1,124 @@
+"""One trainer for every parallelism, run the way a user runs it: `recipes/train_gpt.py` flags.
+
+Each composition trains a tiny model for a few steps through the recipe's own
+command line (in this process, on the 8 simulated devices) and must match the
+single-device losses. Checkpoints written under one strategy restore under
+others and continue exactly like the uninterrupted run. Bad combinations fail
+with a `ValueError` before anything compiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tyro
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+# A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
+# (tensor=4), 32 positions (zigzag over context=2, SP over tensor=4), batch 16
+# (2 data-parallel devices x 4 microbatches x 2 rows). A constant learning rate, so
+# a run of 3 steps is the first half of a run of 6.
+MODEL = ["--model.num-layers", "4", "--model.num-heads", "4", "--model.embed-dim", "32", "--model.seq-len", "32"]
+RUN = ["--batch-size", "16", "--log-every", "1", "--eval-windows", "0", "--sample-tokens", "0", "--no-progress",
+       "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
+
+STRATEGIES = {
+    "single": [],
+    "fsdp+tp": ["--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"],
+    "pipeline=2,data=2,tensor=2 1f1b": ["--mesh", "pipeline=2,data=2,tensor=2", "--strategy", "dp+tp",
+                                        "--pipeline", "1f1b", "--microbatches", "4"],
+    "pipeline=2,fsdp=2,tensor=2 interleaved": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
+                                               "--pipeline", "interleaved", "--microbatches", "4",
+                                               "--virtual-stages", "2"],
+    "context=2,fsdp=2,tensor=2 ring": ["--mesh", "context=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
+                                       "--context", "ring"],
+    "pipeline=2,context=2,tensor=2": ["--mesh", "pipeline=2,context=2,tensor=2", "--strategy", "tp",
+                                      "--pipeline", "1f1b", "--microbatches", "4", "--context", "ring"],
+    "manual data=2,tensor=4 sp": ["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual"],
+}
+COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp")]
+# Checkpoint portability: saved under each, restored under the next two of the list and on one device.
+PORTABLE = ["single", "fsdp+tp", "context=2,fsdp=2,tensor=2 ring", "pipeline=2,data=2,tensor=2 1f1b",
+            "manual data=2,tensor=4 sp"]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("recipe_train_gpt_strategies", RECIPES / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+RECIPE = load_recipe()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        (root / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {j}\n" for j in rng.integers(0, 9, 60)))
+    return ["--data.corpus", str(root), "--data.cache-dir", str(root / "cache"), "--data.val-percent", "20"]
+
+
+def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]:
+    """`train_gpt.py <flags>` in this process; **returns** the losses it logged, in step order."""
+    args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
+    RECIPE.main(tyro.cli(RECIPE.TrainConfig, args=args))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+_REFERENCE: dict = {}
+
+
+def reference(corpus, tmp_path_factory) -> list[float]:
+    """Six single-device steps: the run every other strategy must reproduce."""
+    if "losses" not in _REFERENCE:
+        _REFERENCE["losses"] = run(corpus, tmp_path_factory.mktemp("reference"), "single", "--steps", "6")
+    return _REFERENCE["losses"]
+
+
+@pytest.mark.parametrize("strategy", COMPOSED)
+def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path, tmp_path_factory):
+    losses = run(corpus, tmp_path, strategy, "--steps", "5")
+    np.testing.assert_allclose(losses, reference(corpus, tmp_path_factory)[:5], rtol=1e-5)
+
+
+@pytest.mark.parametrize("saved", PORTABLE)
+def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_path_factory):
+    ref = reference(corpus, tmp_path_factory)
+    first = run(corpus, tmp_path / "saved", saved, "--steps", "3", "--checkpoint-every", "3")
+    np.testing.assert_allclose(first, ref[:3], rtol=1e-5)
+    i = PORTABLE.index(saved)
+    targets = dict.fromkeys([PORTABLE[(i + 1) % 5], PORTABLE[(i + 2) % 5], "single"])
+    for target in targets:
+        out = tmp_path / target.replace(" ", "_")
+        shutil.copytree(tmp_path / "saved" / "checkpoints", out / "checkpoints")
+        resumed = run(corpus, out, target, "--steps", "6", "--resume")
+        np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5, err_msg=f"saved under {saved}, resumed under {target}")
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--mesh", "pipeline=2", "--strategy", "dp"], r"mesh axes \['pipeline'\].*used by no part"),
+    (["--mesh", "data=2,tensor=4", "--strategy", "dp"], r"\['tensor'\].*add 'tp' or 'sp'"),
+    (["--mesh", "context=2,data=4", "--strategy", "dp"], r"\['context'\].*--context ring"),
+    (["--mesh", "pipeline=8", "--strategy", "dp", "--pipeline", "1f1b", "--microbatches", "2"],
+     r"num_layers=4 cannot be split into 8 stages"),
+    (["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual", "--context", "ring"], "manual path"),
+    (["--pipeline", "1f1b"], "needs a mesh"),
+    (["--mesh", "data=8", "--strategy", "dp", "--batch-size", "12"], "multiple of 8"),
+])
+def test_bad_strategies_fail_before_compiling(flags, match, corpus, tmp_path):
+    args = [*MODEL, *RUN, *corpus, "--out-dir", str(tmp_path), "--steps", "1", *flags]
+    with pytest.raises(ValueError, match=match):
+        RECIPE.main(tyro.cli(RECIPE.TrainConfig, args=args))
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran
