@@ -188,7 +188,7 @@ def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) ->
     """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees."""
     if jax.process_count() > 1:  # every process must run what process 0 runs, or stop now
         distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg})
-    if jax.process_index() == 0:
+    if distributed.is_main_process():
         out.mkdir(parents=True, exist_ok=True)
         if not cfg.resume:
             (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -232,7 +232,7 @@ def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig) -> l
 
 def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus_name: str, model_cfg, t0: float) -> dict:
     """Save the model, plot, sample and summarise; **returns** the summary."""
-    is_main = jax.process_index() == 0
+    is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
     if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
         summary["seconds"] = time.perf_counter() - t0
@@ -262,7 +262,7 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.cpu_devices:  # must precede the first use of a JAX backend
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
-    log = (lambda msg: print(msg, flush=True)) if jax.process_index() == 0 else (lambda msg: None)
+    log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
     model_cfg, out = cfg.model.build(), Path(cfg.out_dir)
     strategy = strategy_of(cfg)  # every flag error is raised here or in `check`, before any compile
     make_model = lambda k: GPT(model_cfg, key=k)  # noqa: E731

@@ -42,12 +42,12 @@ for name, (mesh, strategy) in RUNS.items():
     check_same_on_all_processes({"mesh": mesh_fields(placement.mesh), "strategy": strategy}, "mesh")
     check_replicas_agree(state.model)
     # Each process reads only its rows; the global batch is the whole batch, in order.
-    local = loader.local_batch(0)
+    local = loader.local_batch(0)  # a Batch of this process's rows
     assert local.shape[0] == BATCH // 2, local.shape
     start, stop = loader.rows
     assert (start, stop) == (jax.process_index() * BATCH // 2, (jax.process_index() + 1) * BATCH // 2)
-    whole = np.asarray(multihost_utils.process_allgather(placement.batch(local), tiled=True))
-    rows = np.stack([loader.tokens[o: o + loader.seq_len + 1] for o in loader.offsets(0)])
+    whole = np.asarray(multihost_utils.process_allgather(placement.batch(local).tokens, tiled=True))
+    rows = np.stack([loader.tokens[o: o + loader.seq_len] for o in loader.offsets(0)])
     assert np.array_equal(whole, rows), "the global batch is not the concatenation of the processes' rows"
     if name == "dp":
         state, result[name] = train(state, step_fn, loader, placement, STEPS)

@@ -38,6 +38,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import Array, PyTree, UInt32
 
+from eqgpt.distributed import is_main_process
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "eqgpt-checkpoint/1"
@@ -539,7 +541,7 @@ class Checkpointer:
 
     def _set_aside(self, steps: Sequence[int]) -> None:
         """Rename damaged newer steps to `<step>.corrupt` so the resumed run can save those steps again."""
-        if jax.process_index() == 0:
+        if is_main_process():
             for s in steps:
                 src = self.directory / str(s)
                 dst = self.directory / f"{s}.corrupt"

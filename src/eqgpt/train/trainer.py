@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
+from eqgpt.distributed import is_main_process
 from eqgpt.data.loader import BatchLoader
 from eqgpt.parallel.placement import Placement
 from eqgpt.parallel.strategy import LossFn, Strategy
@@ -181,7 +182,7 @@ class Trainer:
         # --- checkpoints and preemption (eqgpt.train.checkpoint / preemption)
         self.checkpointer = checkpointer
         self.stop_signal: int | None = None
-        self.is_main = jax.process_index() == 0
+        self.is_main = is_main_process()
         # --- end checkpoints and preemption
         self._metrics_file = None
         if config.out_dir is not None:
