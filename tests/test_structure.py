@@ -1,0 +1,81 @@
+"""The shape of the code: one-way layers, no import cycles, one place that applies updates, a short recipe."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+
+def module_imports() -> dict[str, set[str]]:
+    """eqgpt module -> the eqgpt modules it imports (at any depth of its code)."""
+    names = {}
+    for path in (SRC / "eqgpt").rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        names[name] = path
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eqgpt"):
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("eqgpt")}
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_and_layers_point_one_way():
+    graph = module_imports()
+    assert cycles(graph) == []
+    # nn knows no devices and no training; parallel knows no training loop.
+    for name, deps in graph.items():
+        if name.startswith("eqgpt.nn"):
+            assert not {d for d in deps if d.startswith(("eqgpt.parallel", "eqgpt.train"))}, name
+        if name.startswith("eqgpt.parallel"):
+            assert not {d for d in deps if d.startswith("eqgpt.train")}, name
+
+
+def test_updates_are_applied_only_by_make_train_step():
+    pattern = re.compile(r"\b(optimizer|opt|OPTIMIZER)\.update\(")
+    offenders = [str(p.relative_to(ROOT)) for folder in ("recipes", "tests", "benchmarks")
+                 for p in (ROOT / folder).rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
+
+
+def test_the_recipe_main_is_short():
+    tree = ast.parse((ROOT / "recipes" / "train_gpt.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert main.end_lineno - main.lineno + 1 <= 60
