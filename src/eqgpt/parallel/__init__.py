@@ -19,7 +19,7 @@ from eqgpt.parallel.rules import (
     Rules,
     preset_rules,
 )
-from eqgpt.parallel.shard import (
+from eqgpt.parallel.auto import (
     ShardingConstraint,
     batch_sharding,
     check_divisibility,
@@ -33,8 +33,8 @@ from eqgpt.parallel.shard import (
     path_str,
     replicated_fraction,
     rules_for,
-    shard_model,
-    shard_opt_state,
+    place_model,
+    place_opt_state,
     with_constraints,
 )
 from eqgpt.parallel.strategy import PipelineConfig, Strategy
@@ -42,8 +42,8 @@ from eqgpt.parallel.strategy import PipelineConfig, Strategy
 __all__ = [
     "AXES", "MeshConfig", "make_mesh", "mesh_config", "Rules", "AxisTable", "preset_rules",
     "PRESET_RULES", "DP", "FSDP", "TP", "SP", "REPLICATED", "ShardingConstraint",
-    "param_specs", "param_shardings", "with_constraints", "shard_model", "init_sharded", "lower_init",
-    "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded", "batch_sharding",
+    "param_specs", "param_shardings", "with_constraints", "place_model", "init_sharded", "lower_init",
+    "opt_state_shardings", "place_opt_state", "init_opt_state_sharded", "batch_sharding",
     "replicated_fraction", "check_replication", "check_divisibility", "rules_for", "path_str",
     "ShardedPlacement", "SingleDevice", "Placement", "Strategy", "PipelineConfig",
 ]

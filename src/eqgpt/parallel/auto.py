@@ -1,4 +1,4 @@
-"""Place models and optimizer state by logical rules; constrain activations.
+"""The automatic path: place models and optimizer state by logical rules; constrain activations.
 
 This is the *automatic* path: parameters are laid out by `Rules`, activations are
 pinned at module boundaries by `ShardingConstraint` hooks, and XLA's SPMD
@@ -186,7 +186,7 @@ def _split(model: PyTree):
     return eqx.partition(model, _is_array_like)
 
 
-def shard_model(model: PyTree, mesh: Mesh, rules: Rules, overrides: Overrides = None) -> PyTree:
+def place_model(model: PyTree, mesh: Mesh, rules: Rules, overrides: Overrides = None) -> PyTree:
     """Move `model`'s arrays to their shardings and install activation constraints.
 
     **Returns:** the placed, constrained model.
@@ -294,7 +294,7 @@ def opt_state_shardings(
     return jax.tree.map(assign, opt_state, is_leaf=lambda x: like_params(x) or _is_array_like(x))
 
 
-def shard_opt_state(
+def place_opt_state(
     opt_state: PyTree, model: PyTree, mesh: Mesh, rules: Rules, overrides: Overrides = None
 ) -> PyTree:
     """Move an existing optimizer state to `opt_state_shardings`. **Returns:** the placed state."""
@@ -432,8 +432,8 @@ def check_divisibility(
 
 
 __all__ = [
-    "param_specs", "param_shardings", "ShardingConstraint", "with_constraints", "shard_model",
-    "init_sharded", "lower_init", "opt_state_shardings", "shard_opt_state", "init_opt_state_sharded",
+    "param_specs", "param_shardings", "ShardingConstraint", "with_constraints", "place_model",
+    "init_sharded", "lower_init", "opt_state_shardings", "place_opt_state", "init_opt_state_sharded",
     "batch_sharding", "replicated_fraction", "check_replication", "check_divisibility",
     "rules_for", "path_str",
 ]

@@ -20,15 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray, PyTree
 
 from eqgpt.nn.axes import NoConstraint, map_constraints
-
+from eqgpt.parallel import auto
 from eqgpt.parallel.rules import Rules, preset_rules
-from eqgpt.parallel.shard import (
-    batch_sharding,
-    init_opt_state_sharded,
-    init_sharded,
-    shard_model,
-    shard_opt_state,
-)
 
 
 @runtime_checkable
@@ -128,23 +121,23 @@ class ShardedPlacement:
 
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
         """`make(key)`, initialised directly in its sharding, with activation constraints."""
-        return init_sharded(make, key, self.mesh, self.rules, self.overrides)
+        return auto.init_sharded(make, key, self.mesh, self.rules, self.overrides)
 
     def place_model(self, model: PyTree) -> PyTree:
         """An existing model moved to its sharding, with activation constraints."""
-        return shard_model(model, self.mesh, self.rules, self.overrides)
+        return auto.place_model(model, self.mesh, self.rules, self.overrides)
 
     def init_opt_state(self, optimizer: Any, model: PyTree) -> PyTree:
         """`optimizer.init` of the model's arrays, each moment created in its parameter's sharding."""
-        return init_opt_state_sharded(optimizer, model, self.mesh, self.rules, self.overrides)
+        return auto.init_opt_state_sharded(optimizer, model, self.mesh, self.rules, self.overrides)
 
     def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """An existing optimizer state moved next to its parameters."""
-        return shard_opt_state(opt_state, model, self.mesh, self.rules, self.overrides)
+        return auto.place_opt_state(opt_state, model, self.mesh, self.rules, self.overrides)
 
     def batch_sharding(self, ndim: int = 2, shape: tuple[int, ...] | None = None) -> NamedSharding:
         """Sharding of global `[batch, seq]` (or `[batch]`) arrays (see `eqgpt.parallel.batch_sharding`)."""
-        return batch_sharding(self.mesh, self.rules, ndim, shape)
+        return auto.batch_sharding(self.mesh, self.rules, ndim, shape)
 
     @property
     def batch_divisor(self) -> int:

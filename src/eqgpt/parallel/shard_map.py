@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from eqgpt.parallel.rules import Rules, preset_rules
-from eqgpt.parallel.shard import param_specs
+from eqgpt.parallel.auto import param_specs
 
 
 def is_spec(x: Any) -> bool:
@@ -78,7 +78,7 @@ def filter_shard_map(
 
     Spec trees are matched to arrays in leaf order, so a spec tree made from one
     instance of a model fits another whose non-array parts differ (e.g. one whose
-    activation hooks were swapped by `eqgpt.parallel.shard_model`).
+    activation hooks were swapped by `eqgpt.parallel.place_model`).
 
     **Returns:** a function of the same arguments returning global arrays.
     """

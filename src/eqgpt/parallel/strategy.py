@@ -89,7 +89,7 @@ class Strategy:
       over `context` with ring or all-gather attention.
     - `manual`: run data and tensor (and, with `sp` in `rules`, sequence)
       parallelism under `shard_map` with explicit collectives.
-    - `overrides`: per-module rule sets (see `eqgpt.parallel.shard`).
+    - `overrides`: per-module rule sets (see `eqgpt.parallel.auto`).
 
     Build from flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)`.
     """
@@ -293,7 +293,7 @@ class Strategy:
             )
         config = getattr(model_like, "config", None)
         if config is not None and not self.manual:
-            from eqgpt.parallel.shard import check_divisibility
+            from eqgpt.parallel.auto import check_divisibility
 
             check_divisibility(config, self.mesh, self.rules, rows // (self.pipeline.microbatches if self.pipeline
                                                                        else 1), seq_len, self.overrides)
