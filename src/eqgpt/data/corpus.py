@@ -43,6 +43,8 @@ class Corpus:
     vocab_size: int
     train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()
+    train_docs: np.ndarray | None = None  # document boundaries [0, end_0, end_1, ...] into train (packing)
+    val_docs: np.ndarray | None = None
 
 
 def default_cache_dir() -> Path:
@@ -113,10 +115,27 @@ def _fingerprint(parts: list) -> str:
 
 def _write_tokens(path: Path, files: list[Path], tokenizer: ByteTokenizer) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
+    bounds = [0]  # one document per file: its token boundaries, for packing
     with open(tmp, "wb") as out:
         for f in files:
-            out.write(tokenizer.encode_bytes(f.read_bytes()).tobytes())
+            ids = tokenizer.encode_bytes(f.read_bytes())
+            out.write(ids.tobytes())
+            bounds.append(bounds[-1] + len(ids))
     tmp.replace(path)  # atomic: a crash never leaves a half-written cache
+    np.save(docs_path(path), np.asarray(bounds, np.int64))
+
+
+def docs_path(tokens_path: Path) -> Path:
+    """The document boundaries file beside a token file: `name.bin` -> `name.docs.npy`."""
+    return Path(tokens_path).with_suffix(".docs.npy")
+
+
+def _split_docs(bounds: np.ndarray | None, n_train: int, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    if bounds is None:
+        return None, None
+    inner = lambda lo, hi: bounds[(bounds > lo) & (bounds < hi)]  # noqa: E731
+    return (np.concatenate([[0], inner(0, n_train), [n_train]]),
+            np.concatenate([[0], inner(n_train, n) - n_train, [n - n_train]]))
 
 
 def _memmap(path: Path) -> np.ndarray:
@@ -131,14 +150,16 @@ def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer) -> Cor
     key = _fingerprint([str(root), stats, val_percent, tokenizer.name])
     cache = Path(cache_dir).expanduser() / f"{Path(name).name or 'corpus'}-{key}"
     cache.mkdir(parents=True, exist_ok=True)
-    arrays = {}
+    arrays, docs = {}, {}
     for split, split_files in (("train", train_files), ("val", val_files)):
         path = cache / f"{split}.bin"
-        if not path.exists():
+        if not path.exists() or not docs_path(path).exists():
             _write_tokens(path, split_files, tokenizer)
         arrays[split] = _memmap(path)
+        docs[split] = np.load(docs_path(path))
     rel = lambda fs: tuple(f.relative_to(root).as_posix() for f in fs)  # noqa: E731
-    return Corpus(name, arrays["train"], arrays["val"], tokenizer.vocab_size, rel(train_files), rel(val_files))
+    return Corpus(name, arrays["train"], arrays["val"], tokenizer.vocab_size, rel(train_files), rel(val_files),
+                  docs["train"], docs["val"])
 
 
 def _token_file_corpus(path: Path, *, val_percent: float, vocab_size: int) -> Corpus:
@@ -154,7 +175,15 @@ def _token_file_corpus(path: Path, *, val_percent: float, vocab_size: int) -> Co
             "build the model with a larger vocab_size."
         )
     n_val = int(len(tokens) * val_percent / 100)
-    return Corpus(str(path), tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab_size)
+    bounds = None
+    if docs_path(path).exists():  # optional document boundaries: [0, end_0, ..., len(tokens)]
+        bounds = np.load(docs_path(path)).astype(np.int64)
+        if bounds.ndim != 1 or bounds[0] != 0 or bounds[-1] != len(tokens) or (np.diff(bounds) < 0).any():
+            raise ValueError(f"{docs_path(path)} must hold increasing document boundaries from 0 to "
+                             f"{len(tokens)} (the token count); got {bounds[:3]}...{bounds[-3:]}.")
+    n_train = len(tokens) - n_val
+    return Corpus(str(path), tokens[:n_train], tokens[n_train:], vocab_size, (), (),
+                  *_split_docs(bounds, n_train, len(tokens)))
 
 
 def load_corpus(

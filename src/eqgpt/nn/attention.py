@@ -101,7 +101,7 @@ class Attention(eqx.Module):
         self.rope_theta = rope_theta
 
     def project(
-        self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"]
+        self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"] | Int[Array, "batch seq"]
     ) -> tuple[Array, Array, Array]:
         """Queries `[b, t, heads, d]` and keys, values `[b, t, kv_heads, d]`, rotated if RoPE.
 
@@ -141,17 +141,21 @@ class Attention(eqx.Module):
         *,
         positions: Int[Array, " seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
+        doc_positions: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq embed"]:
         """**Arguments:**
 
         - `x`: input activations.
-        - `positions`: global token positions (default `0..seq-1`).
+        - `positions`: global token positions (default `0..seq-1`), for the mask.
         - `segment_ids`: document ids of packed sequences; no attention across them.
+        - `doc_positions`: per-row positions within each packed document, for RoPE
+          (default `positions`). The mask keeps `positions`: with `segment_ids`,
+          causality by sequence index equals causality within each document.
 
         **Returns:** the attention output, shaped like `x`.
         """
         positions = jnp.arange(x.shape[1]) if positions is None else positions
-        q, k, v = self.project(x, positions)
+        q, k, v = self.project(x, positions if doc_positions is None else doc_positions)
         o = get_kernel(self.kernel)(
             q, k, v, mask=self.mask, q_pos=positions, k_pos=positions,
             q_seg=segment_ids, k_seg=segment_ids,

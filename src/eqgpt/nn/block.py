@@ -45,9 +45,10 @@ class Block(eqx.Module):
         self.shard = NoConstraint()
         self.remat = remat
 
-    def _forward(self, x, positions, segment_ids):
+    def _forward(self, x, positions, segment_ids, doc_positions=None):
         x = self.shard(x, ("batch", "seq", "embed"))
-        x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids)
+        extra = {} if doc_positions is None else {"doc_positions": doc_positions}
+        x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, **extra)
         x = self.shard(x, ("batch", "seq", "embed"))
         x = x + self.mlp(self.mlp_norm(x))
         return self.shard(x, ("batch", "seq", "embed"))
@@ -58,12 +59,14 @@ class Block(eqx.Module):
         *,
         positions: Int[Array, " seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
+        doc_positions: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq embed"]:
-        """**Arguments:** activations `x`, global `positions`, optional `segment_ids`.
+        """**Arguments:** activations `x`, global `positions`, optional `segment_ids` and
+        per-row `doc_positions` (for RoPE; see `Attention`).
 
         **Returns:** the block output, shaped like `x`.
         """
-        return apply_remat(Block._forward, self.remat)(self, x, positions, segment_ids)
+        return apply_remat(Block._forward, self.remat)(self, x, positions, segment_ids, doc_positions)
 
     def decode(
         self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]

@@ -92,11 +92,19 @@ class GPT(eqx.Module):
                 "shorten the batch or build the model with a larger seq_len."
             )
 
-    def embed(self, tokens: Int[Array, "batch seq"], positions: Int[Array, " seq"]) -> Float[Array, "batch seq embed"]:
-        """Token embeddings plus learned position embeddings (when the model has them)."""
+    def embed(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Int[Array, " seq"],
+        doc_positions: Int[Array, "batch seq"] | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        """Token embeddings plus learned position embeddings (when the model has them).
+
+        `doc_positions` (per row, restarting at each packed document) replace `positions` here.
+        """
         x = self.tok_embed(tokens)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)[None]
+            x = x + (self.pos_embed(positions)[None] if doc_positions is None else self.pos_embed(doc_positions))
         return self.shard(x, ("batch", "seq", "embed"))
 
     def run_blocks(
@@ -104,13 +112,15 @@ class GPT(eqx.Module):
         x: Float[Array, "batch seq embed"],
         positions: Int[Array, " seq"],
         segment_ids: Int[Array, "batch seq"] | None = None,
+        doc_positions: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq embed"]:
         """Apply every layer in turn with `jax.lax.scan` over the stacked blocks."""
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        extra = {} if doc_positions is None else {"doc_positions": doc_positions}  # user blocks need not take it
 
         def layer(h, params):
             block = eqx.combine(params, static)
-            return block(h, positions=positions, segment_ids=segment_ids), None
+            return block(h, positions=positions, segment_ids=segment_ids, **extra), None
 
         x, _ = jax.lax.scan(layer, x, dynamic)
         return x
@@ -121,11 +131,17 @@ class GPT(eqx.Module):
         *,
         positions: Int[Array, " seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
+        doc_positions: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq embed"]:
-        """Final-norm hidden states: everything but the head."""
+        """Final-norm hidden states: everything but the head.
+
+        `positions` (`[seq]`, default `0..seq-1`) index the sequence for the masks;
+        `doc_positions` (`[batch, seq]`, packed documents: restarting per document)
+        feed the position embeddings and RoPE instead when given.
+        """
         self._check_len(tokens.shape[1])
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
-        x = self.run_blocks(self.embed(tokens, positions), positions, segment_ids)
+        x = self.run_blocks(self.embed(tokens, positions, doc_positions), positions, segment_ids, doc_positions)
         return self.norm(x)
 
     def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
@@ -139,13 +155,16 @@ class GPT(eqx.Module):
         *,
         positions: Int[Array, " seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
+        doc_positions: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        """**Arguments:** `tokens`, optional global `positions` and `segment_ids`.
+        """**Arguments:** `tokens`, optional global `positions`, `segment_ids` and
+        per-row `doc_positions` (see `features`).
 
         **Returns:** next-token logits. For training use `eqgpt.nn.lm_loss`, which
         never materialises all the logits at once.
         """
-        return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids))
+        return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids,
+                                         doc_positions=doc_positions))
 
     def init_cache(self, batch: int, max_len: int | None = None, dtype=jnp.float32) -> KVCache:
         """An empty KV cache for every layer: arrays `[layers, batch, max_len, kv_heads, head_dim]`."""

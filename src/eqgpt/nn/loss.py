@@ -104,12 +104,16 @@ def lm_loss(
     segment_ids: Int[Array, "batch seq"] | None = None,
     chunk_size: int = 128,
     z_loss: float = 0.0,
+    doc_positions: Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Chunked cross-entropy of a `GPT` on `tokens` predicting `targets`.
 
+    `doc_positions`: per-row positions of packed documents (see `GPT.features`).
+
     **Returns:** `(loss, aux)` as `chunked_cross_entropy`; use with `has_aux=True`.
     """
-    hidden = model.features(tokens, segment_ids=segment_ids)
+    extra = {} if doc_positions is None else {"doc_positions": doc_positions}
+    hidden = model.features(tokens, segment_ids=segment_ids, **extra)
     return chunked_cross_entropy(
         model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size, z_loss=z_loss
     )

@@ -19,7 +19,7 @@ def rope_angles(
 
 def apply_rope(
     x: Float[Array, "batch seq heads head_dim"],
-    positions: Int[Array, " seq"],
+    positions: Int[Array, " seq"] | Int[Array, "batch seq"],
     theta: float = 10000.0,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Rotate pairs (x[..., :d/2], x[..., d/2:]) by position-dependent angles.
@@ -28,8 +28,9 @@ def apply_rope(
     zigzag chunk rotates exactly as the same tokens would in the full sequence.
     The rotation is done in fp32 and returned in `x.dtype`.
     """
-    cos, sin = rope_angles(positions, x.shape[-1], theta)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = rope_angles(positions.reshape(-1), x.shape[-1], theta)  # per-row positions: [batch, seq]
+    shape = (1 if positions.ndim == 1 else positions.shape[0], positions.shape[-1], 1, -1)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

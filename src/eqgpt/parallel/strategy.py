@@ -63,17 +63,29 @@ class PipelineConfig:
 
 
 def check_plain_positions(batch: Batch) -> None:
-    """Raise `ValueError` for per-row positions, which the models do not take yet."""
-    if batch.positions is not None:
-        raise ValueError("Batch.positions (per-row positions of packed documents) are not supported by this "
-                         "loss yet; leave them None (positions 0..seq-1).")
+    """Raise `ValueError` for per-row positions, on the paths that do not pass them to the model yet."""
+    if getattr(batch, "positions", None) is not None:
+        raise ValueError("Batch.positions (per-row positions of packed documents) are not supported by the "
+                         "pipeline and manual paths yet; use one device, the automatic path or context "
+                         "parallelism, or leave them None (positions 0..seq-1).")
+
+
+def _plain_positions_only(fn: Callable) -> Callable:
+    def checked(model, batch):
+        check_plain_positions(batch)
+        return fn(model, batch)
+
+    return checked
 
 
 def lm_batch_loss(model: PyTree, batch: Batch, *, chunk_size: int = 128, z_loss: float = 0.0):
-    """`eqgpt.nn.lm_loss` of `model` on a `Batch` (the single-device and automatic-path loss)."""
-    check_plain_positions(batch)
+    """`eqgpt.nn.lm_loss` of `model` on a `Batch` (the single-device and automatic-path loss).
+
+    Per-row `batch.positions` (packed documents) feed the position embeddings and RoPE.
+    """
     return lm_loss(model, batch.tokens, batch.targets, loss_mask=batch.loss_mask,
-                   segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss)
+                   segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss,
+                   doc_positions=batch.positions)
 
 
 @dataclass(frozen=True)
@@ -330,8 +342,8 @@ class Strategy:
         if self.manual:
             from eqgpt.parallel.manual import manual_loss_fn
 
-            return manual_loss_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
-                                  chunk_size=chunk_size, z_loss=z_loss)
+            return _plain_positions_only(manual_loss_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
+                                                        chunk_size=chunk_size, z_loss=z_loss))
         if self.context is not None:
             from eqgpt.parallel.context import context_loss_fn
 
@@ -352,13 +364,14 @@ class Strategy:
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import pipeline_grad_fn
 
-            return pipeline_grad_fn(self.mesh, self.pipeline_schedule(), rules=self.param_rules, chunk_size=chunk_size,
-                                    z_loss=z_loss, policy=policy, context=self.context)
+            return _plain_positions_only(pipeline_grad_fn(
+                self.mesh, self.pipeline_schedule(), rules=self.param_rules, chunk_size=chunk_size,
+                z_loss=z_loss, policy=policy, context=self.context))
         if self.manual:
             from eqgpt.parallel.manual import manual_grad_fn
 
-            return manual_grad_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
-                                  chunk_size=chunk_size, z_loss=z_loss, policy=policy)
+            return _plain_positions_only(manual_grad_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
+                                                        chunk_size=chunk_size, z_loss=z_loss, policy=policy))
         return policy.value_and_grad(self.loss_fn(chunk_size=chunk_size, z_loss=z_loss))
 
 
