@@ -23,7 +23,8 @@ import tyro
 
 import eqgpt
 from eqgpt import distributed
-from eqgpt.data import BatchLoader, ByteTokenizer, eval_windows, load_corpus
+from eqgpt.data import ByteTokenizer, eval_windows, load_corpus
+from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text
@@ -54,6 +55,12 @@ class DataConfig:
     """Token cache directory (default: $EQGPT_CACHE or ~/.cache/eqgpt)."""
     val_percent: float = 5.0
     """Share held out for validation: of files (text) or of the token tail (token files)."""
+    mode: Literal["windows", "packed"] = "windows"
+    """'windows': random windows across documents (as always); 'packed': whole documents packed into rows, with segment ids and positions restarting per document (see docs/data.md)."""
+    threads: int = 2
+    """Grain background threads building batches (0: load in the training thread)."""
+    prefetch: int = 4
+    """Batches built ahead of the step."""
 
 
 @dataclass
@@ -167,6 +174,8 @@ class TrainConfig:
     """New tokens per sample (0: no samples)."""
     progress: bool = True
     """Show a progress bar."""
+    log: Literal["jsonl", "tensorboard"] = "jsonl"
+    """'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is always written."""
 
 
 def strategy_of(cfg: TrainConfig) -> Strategy:
@@ -206,14 +215,18 @@ def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -
                                 "recipe": dataclasses.asdict(cfg)})
 
 
-def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: TrainState, log) -> TrainState:
+def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: TrainState, log,
+                   loader=None) -> TrainState:
     """With --resume, the latest good checkpoint restored into this run's layout (any mesh, any
-    strategy); else `state`, checked to be the same on every process."""
+    strategy), and the loader's iterator state with it; else `state`, checked to be the same on
+    every process."""
     if jax.process_count() > 1:
         distributed.check_replicas_agree(state.model)
     restored = checkpointer.restore(state) if cfg.resume else None
     if restored is not None:
         log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
+        if loader is not None and "data" in restored.extras:
+            loader.restore(restored.extras["data"])
         return restored.state
     if cfg.resume:
         log(f"--resume: no checkpoint in {checkpointer.directory}; starting at step 0")
@@ -243,6 +256,7 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus_name: str
         return summary
     save_model(out, state.model)
     samples = sample(cfg, state, model_cfg)
+    trainer.log_samples(summary["steps"], samples)
     _, vals = trainer.history.series("val_loss")
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
                    seconds=time.perf_counter() - t0, samples=samples)
@@ -278,11 +292,12 @@ def main(cfg: TrainConfig) -> dict:
     model = strategy.init_model(make_model, key_model)
     state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state)
     checkpointer = make_checkpointer(cfg, model_cfg, out)
-    state = starting_state(cfg, checkpointer, state, log)
+    loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
+                         config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch), docs=corpus.train_docs)
+    state = starting_state(cfg, checkpointer, state, log, loader)
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
-    loader = BatchLoader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed)
     if cfg.report:  # the compiled step as evidence: collectives and memory per device
         from eqgpt.profile import report
 
@@ -299,7 +314,7 @@ def main(cfg: TrainConfig) -> dict:
         val_windows=eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
         if cfg.eval_windows else None,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
-                             progress=cfg.progress),
+                             progress=cfg.progress, log=cfg.log),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )
     return finish(cfg, trainer, trainer.run(), out, corpus.name, model_cfg, t0)

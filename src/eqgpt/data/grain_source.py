@@ -23,6 +23,7 @@ import numpy as np
 
 from eqgpt.data.batch import Batch
 from eqgpt.data.loader import BatchLoader
+from eqgpt.data.packing import PackedLoader
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,6 @@ def make_loader(
     if config.mode == "windows":
         source = BatchLoader(tokens, **kw)
     elif config.mode == "packed":
-        from eqgpt.data.packing import PackedLoader
-
         if docs is None:
             raise ValueError("mode='packed' needs document boundaries, which this corpus lacks; a token file "
                              "gets them from NAME.docs.npy beside it ([0, end_0, ..., n_tokens]); or use "
@@ -163,4 +162,6 @@ def make_loader(
     return GrainLoader(source, threads=config.threads, prefetch=config.prefetch, mode=config.mode)
 
 
-__all__ = ["GrainLoader", "LoaderConfig", "Mode", "StepSource", "check_state", "make_loader"]
+Loader = BatchLoader | PackedLoader | GrainLoader  # what the trainer takes
+
+__all__ = ["Loader", "GrainLoader", "LoaderConfig", "Mode", "StepSource", "check_state", "make_loader"]

@@ -81,6 +81,17 @@ class BatchLoader:
         """This process's rows of the batch at `step`: inputs and shifted targets."""
         return Batch.from_windows(self.local_windows(step))
 
+    def state(self, step: int) -> dict:
+        """What a checkpoint at `step` stores: the seed and the step fix every later batch."""
+        return {"seed": self.seed, "step": int(step)}
+
+    def restore(self, state: dict) -> int:
+        """Check a checkpoint's data `state` against this loader; **returns** its step."""
+        from eqgpt.data.grain_source import check_state
+
+        check_state(self, state)
+        return int(state["step"])
+
 
 def eval_windows(
     tokens: Int[np.ndarray, " n"], *, seq_len: int, num_windows: int

@@ -216,6 +216,20 @@ class PackedLoader:
         return Batch(tokens=shifted.tokens, targets=shifted.targets, loss_mask=has_target[:, :-1],
                      segment_ids=seg[:, :-1], positions=pos[:, :-1])
 
+    mode = "packed"
+
+    def state(self, step: int) -> dict:
+        """What a checkpoint at `step` stores (the plan is a function of the corpus and `seq_len`)."""
+        return {"seed": self.seed, "step": int(step), "mode": self.mode, "batch_size": self.batch_size,
+                "seq_len": self.seq_len}
+
+    def restore(self, state: dict) -> int:
+        """Check a checkpoint's data `state` against this loader; **returns** its step."""
+        from eqgpt.data.grain_source import check_state
+
+        check_state(self, state)
+        return int(state["step"])
+
 
 def packing_efficiency(batch: Batch) -> dict[str, float]:
     """`real`: share of input slots holding document tokens; `trained`: share with a counted target."""

@@ -22,11 +22,12 @@ from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.distributed import is_main_process
-from eqgpt.data.loader import BatchLoader
+from eqgpt.data.grain_source import Loader
 from eqgpt.parallel.placement import Placement
 from eqgpt.parallel.strategy import LossFn, Strategy
 from eqgpt.precision import Policy
 from eqgpt.train.preemption import StopSignal
+from eqgpt.train.logging import make_writer
 from eqgpt.train.state import TrainState
 
 
@@ -37,7 +38,8 @@ class TrainerConfig:
     **Fields:** `steps` (total, counted from 0), `log_every` (steps between loss
     read-backs and metric lines), `eval_every` (steps between validation losses; 0
     only at start and end), `eval_batch_size`, `out_dir` (metrics, plot, samples),
-    `progress` (draw a progress bar).
+    `progress` (draw a progress bar), `log` (`"tensorboard"`: also TensorBoard events
+    in `out_dir/tb`, written by process 0; `metrics.jsonl` is always written).
     """
 
     steps: int = 100
@@ -46,6 +48,7 @@ class TrainerConfig:
     eval_batch_size: int = 16
     out_dir: Path | None = None
     progress: bool = True
+    log: str = "jsonl"
 
 
 @dataclass
@@ -157,7 +160,7 @@ class Trainer:
         self,
         step_fn: Callable,
         state: TrainState,
-        loader: BatchLoader,
+        loader: Loader,
         placement: Placement,
         *,
         val_windows: np.ndarray | None = None,
@@ -188,6 +191,7 @@ class Trainer:
         if config.out_dir is not None:
             Path(config.out_dir).mkdir(parents=True, exist_ok=True)
             self._metrics_file = Path(config.out_dir) / "metrics.jsonl"
+        self.writer = make_writer(config.log, config.out_dir, is_main=self.is_main)  # TensorBoard or None
 
     def validate(self, model: PyTree) -> float | None:
         """Mean loss over the validation windows (nats/token), or `None` without them."""
@@ -202,6 +206,13 @@ class Trainer:
         if self._metrics_file is not None and self.is_main:
             with open(self._metrics_file, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            self.writer.scalars(row["step"], row)
+
+    def log_samples(self, step: int, samples: list[str]) -> None:
+        """Generated samples as TensorBoard text (with `log="tensorboard"`)."""
+        for i, s in enumerate(samples if self.writer is not None else []):
+            self.writer.text(step, f"samples/{i}", s)
 
     def run(self) -> TrainState:
         """Train until `config.steps` (or Ctrl-C); **returns** the final state."""
@@ -244,6 +255,7 @@ class Trainer:
                     self._eval_row(step, bar, t_begin)
         finally:
             bar.close()
+            getattr(self.loader, "close", lambda: None)()  # stop prefetch threads (a later call restarts them)
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # background writes finish before the caller exits
         return self.state
@@ -252,7 +264,7 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(
                 step, self.state, force=force,
-                extras={"data": {"seed": self.loader.seed, "step": step}},  # a batch is f(seed, step)
+                extras={"data": self.loader.state(step)},  # a batch is f(seed, step); Grain's iterator state
             )
 
     def _eval_row(self, step: int, bar: _Progress, t_begin: float):
