@@ -115,3 +115,84 @@ def test_bad_input(tmp_path):
         BatchLoader(np.zeros(10, np.uint16), batch_size=2, seq_len=16)
     with pytest.raises(ValueError, match="divisible"):
         process_rows(6, 0, 4)
+
+
+# --------------------------------------------------------------------------- the Grain pipeline
+
+def test_grain_windows_are_the_batchloader_batches_bit_for_bit():
+    """Windows mode through Grain (prefetch threads) yields exactly `BatchLoader`'s batches."""
+    from eqgpt.data.grain_source import LoaderConfig, make_loader
+
+    tokens = (np.arange(20000) * 7 % 251).astype(np.uint16)
+    plain = BatchLoader(tokens, batch_size=8, seq_len=16, seed=3)
+    grain_loader = make_loader(tokens, batch_size=8, seq_len=16, seed=3, config=LoaderConfig(threads=2, prefetch=4))
+    for step in [0, 1, 2, 3, 7, 8, 2]:  # in order (prefetched), then jumps (the iterator moves)
+        a, b = plain.local_batch(step), grain_loader.local_batch(step)
+        assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.targets, b.targets)
+        assert b.segment_ids is None and b.positions is None and b.loss_mask is None
+    assert grain_loader.batches == 7 and grain_loader.wait_s >= 0
+    grain_loader.close()
+
+
+def test_grain_state_resumes_at_the_same_batch():
+    from eqgpt.data.grain_source import LoaderConfig, make_loader
+
+    rng = np.random.default_rng(0)
+    bounds = np.concatenate([[0], np.cumsum(rng.integers(2, 40, 500))])
+    tokens = rng.integers(0, 256, bounds[-1]).astype(np.uint16)
+    cfg = LoaderConfig(mode="packed", threads=2, prefetch=2)
+    make = lambda **kw: make_loader(tokens, batch_size=4, seq_len=32, seed=5, config=cfg, docs=bounds, **kw)  # noqa: E731
+    straight = make()
+    want = [straight.local_batch(s) for s in range(12)]
+    first = make()
+    for s in range(6):
+        first.local_batch(s)
+    state = first.state(6)
+    assert state["grain"] == {"next_index": 6} and state["mode"] == "packed"
+    resumed = make()
+    assert resumed.restore(state) == 6
+    for s in range(6, 12):
+        got = resumed.local_batch(s)
+        for field in ("tokens", "targets", "loss_mask", "segment_ids", "positions"):
+            assert np.array_equal(getattr(got, field), getattr(want[s], field)), field
+    # Two processes each read half the rows of the same global batch.
+    halves = [make(process_index=i, process_count=2).local_batch(9) for i in range(2)]
+    assert np.array_equal(np.concatenate([h.tokens for h in halves]), want[9].tokens)
+    # A checkpoint of another data pipeline is refused, not silently mixed.
+    with pytest.raises(ValueError, match="mode was 'windows'"):
+        resumed.restore({**state, "mode": "windows"})
+    with pytest.raises(ValueError, match="seed was 4"):
+        BatchLoader(tokens, batch_size=4, seq_len=32, seed=5).restore({"seed": 4, "step": 3})
+    for loader in (straight, first, resumed):
+        loader.close()
+
+
+def test_document_boundaries_of_text_and_token_corpora(tmp_path):
+    root = write_corpus(tmp_path / "c", n_files=6, size=50)
+    c = load_corpus(root, cache_dir=tmp_path / "cache", val_percent=20)
+    assert c.train_docs.tolist() == [50 * i for i in range(len(c.train_files) + 1)]
+    assert c.val_docs[-1] == len(c.val)
+    toks = np.arange(100, dtype=np.uint16)
+    toks.tofile(tmp_path / "t.bin")
+    np.save(tmp_path / "t.docs.npy", np.array([0, 30, 95, 100]))
+    t = load_corpus(tmp_path / "t.bin", val_percent=10)  # 90 train tokens, 10 validation
+    assert t.train_docs.tolist() == [0, 30, 90] and t.val_docs.tolist() == [0, 5, 10]
+    np.save(tmp_path / "t.docs.npy", np.array([0, 30, 99]))
+    with pytest.raises(ValueError, match="document boundaries"):
+        load_corpus(tmp_path / "t.bin", val_percent=10)
+
+
+def test_packed_mode_errors_and_decisions(tmp_path, caplog):
+    from eqgpt.data.grain_source import LoaderConfig, make_loader
+
+    tokens = np.arange(1000, dtype=np.uint16) % 256
+    with pytest.raises(ValueError, match="needs document boundaries"):
+        make_loader(tokens, batch_size=2, seq_len=16, config=LoaderConfig(mode="packed"))
+    with pytest.raises(ValueError, match="'windows' or 'packed'"):
+        make_loader(tokens, batch_size=2, seq_len=16, config=LoaderConfig(mode="zigzag"))
+    # A document longer than the sequence is split (and the decision logged), never refused.
+    with caplog.at_level("INFO", logger="eqgpt.data.packing"):
+        loader = make_loader(tokens, batch_size=2, seq_len=16, docs=np.array([0, 10, 1000]),
+                             config=LoaderConfig(mode="packed", threads=0))
+    assert "longer than seq_len + 1 = 17 tokens; they are split" in caplog.text
+    assert loader.local_batch(0).shape == (2, 16)

@@ -1,0 +1,41 @@
+"""Run `recipes/train_gpt.py` in this process on a tiny model (shared by the data and logging tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TINY = ["--model.num-layers", "2", "--model.num-heads", "2", "--model.embed-dim", "32", "--model.seq-len", "32",
+        "--batch-size", "8", "--log-every", "1", "--eval-windows", "4", "--eval-every", "5", "--sample-tokens", "0",
+        "--no-progress", "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("recipe_train_gpt_data", RECIPES / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_documents(root: Path, n: int = 120, seed: int = 0) -> Path:
+    """`n` small Python files of 10..80 bytes: documents shorter and longer than a 33-token row."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        body = "".join(f"x{j} = {j}\n" for j in rng.integers(0, 9, rng.integers(1, 12)))
+        (root / f"d{i:03d}.py").write_text(body)
+    return root
+
+
+def run_recipe(recipe, args: list[str]) -> list[dict]:
+    """Run with `args` (plus --out-dir in args); **returns** the rows of metrics.jsonl."""
+    recipe.main(tyro.cli(recipe.TrainConfig, args=args))
+    out = Path(args[args.index("--out-dir") + 1])
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
