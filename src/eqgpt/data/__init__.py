@@ -10,10 +10,13 @@ from eqgpt.data.corpus import (
     stdlib_root,
     text_files,
 )
+from eqgpt.data.grain_source import GrainLoader, LoaderConfig, make_loader
 from eqgpt.data.loader import BatchLoader, eval_windows, process_rows
+from eqgpt.data.packing import PackedLoader, pack_documents, packing_efficiency
 from eqgpt.data.tokenizer import ByteTokenizer
 
 __all__ = [
     "Batch", "as_batch", "ByteTokenizer", "Corpus", "load_corpus", "stdlib_files", "stdlib_root", "text_files",
     "default_cache_dir", "is_validation_file", "BatchLoader", "eval_windows", "process_rows",
+    "GrainLoader", "LoaderConfig", "make_loader", "PackedLoader", "pack_documents", "packing_efficiency",
 ]
