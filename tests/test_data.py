@@ -196,3 +196,41 @@ def test_packed_mode_errors_and_decisions(tmp_path, caplog):
                              config=LoaderConfig(mode="packed", threads=0))
     assert "longer than seq_len + 1 = 17 tokens; they are split" in caplog.text
     assert loader.local_batch(0).shape == (2, 16)
+
+
+def packed_corpus():
+    """Synthetic documents shared with the 2-process worker `mp/data_worker.py`."""
+    rng = np.random.default_rng(11)
+    bounds = np.concatenate([[0], np.cumsum(rng.integers(2, 45, 400))])
+    return rng.integers(0, 256, bounds[-1]).astype(np.uint16), bounds
+
+
+@pytest.mark.multiprocess
+def test_two_processes_load_the_one_process_batches():
+    """2 processes x 4 devices, each reading only its rows, assemble exactly the 1-process global batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from eqgpt.data.grain_source import LoaderConfig, make_loader
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "eqgpt.launch", "--nproc", "2", "--devices-per-proc", "4", "--timeout", "200",
+           "--", str(root / "tests" / "mp" / "data_worker.py")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=280)
+    lines = [line for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert proc.returncode == 0 and len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(lines[0].split("RESULT ", 1)[1])
+    tokens, bounds = packed_corpus()
+    for mode in ("windows", "packed"):
+        one = make_loader(tokens, batch_size=8, seq_len=32, seed=7, docs=bounds, process_index=0, process_count=1,
+                          config=LoaderConfig(mode=mode, threads=0))
+        for step, fields in enumerate(got[mode]):
+            want = one.local_batch(step)
+            for k, v in fields.items():
+                np.testing.assert_array_equal(np.asarray(v), np.asarray(getattr(want, k)), err_msg=f"{mode} {k}")
+        assert set(got[mode][0]) == ({"tokens", "targets"} if mode == "windows" else
+                                     {"tokens", "targets", "segment_ids", "positions", "loss_mask"})
