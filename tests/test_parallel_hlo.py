@@ -222,6 +222,44 @@ def test_inventory_reads_async_forms_groups_and_loop_trip_counts():
         ("all-reduce", 3), ("all-gather", 1), ("reduce-scatter", 1), ("collective-permute", 1)]
 
 
+def _one_collective(groups):
+    return (
+        "HloModule m\n\nENTRY %main (x: f32[32]) -> (f32[32], f32[32]) {\n"
+        "  %x = f32[32]{0} parameter(0)\n"
+        f"  ROOT %a = (f32[32]{{0}}, f32[32]{{0}}) all-to-all(%x, %x), channel_id=1, replica_groups={groups}\n"
+        "}\n"
+    )
+
+
+@pytest.mark.parametrize("printed, expected, axes", [
+    # jax 0.10: synthetic axes over a permuted device list; jax 0.12: the named mesh, sub-axes.
+    ("mesh['axis_0'=2,'axis_1'=2,'axis_2'=1,'axis_3'=1,'axis_4'=1,'axis_5'=2], "
+     "device_ids=([2,2,2]T(2,1,0)) {'axis_1'}", "{{0,2},{1,3},{4,6},{5,7}}", ("pipeline",)),
+    ("mesh['data'=2,'fsdp'=1,'pipeline'=4,'context'=1,'tensor'=1] {'pipeline':(1)2}",
+     "{{0,2},{1,3},{4,6},{5,7}}", ("pipeline",)),
+    ("mesh['data'=2,'fsdp'=1,'pipeline'=4,'context'=1,'tensor'=1] {'pipeline':(2)2}",
+     "{{0,1},{2,3},{4,5},{6,7}}", ("pipeline",)),
+    ("mesh['data'=2,'fsdp'=1,'pipeline'=4,'context'=1,'tensor'=1] {'data','fsdp'}",
+     "{{0,4},{1,5},{2,6},{3,7}}", ("data",)),
+    ("[4,2]<=[2,4]T(1,0)", "{{0,4},{1,5},{2,6},{3,7}}", ("data",)),
+    ("{{4,0},{5,1},{6,2},{7,3}}", "{{0,4},{1,5},{2,6},{3,7}}", ("data",)),
+])
+def test_inventory_reads_every_replica_group_notation(printed, expected, axes):
+    """XLA's printer is no contract: each notation it has used gives the same groups."""
+    mesh = par.make_mesh("pipeline=4,data=2")
+    [row] = collectives(_one_collective(printed), mesh)
+    assert (row.replica_groups, row.axes, row.group_size, row.bytes) == (expected, axes, 2, 256)
+
+
+def test_inventory_from_the_module_proto_equals_the_one_from_text():
+    _, _, compiled, placement, _ = sharded_run("gpt", "fsdp=8", "fsdp")
+    text = getattr(compiled, "compiled", compiled).as_text()
+    key = lambda r: (r.computation, r.name, r.kind)  # noqa: E731
+    from_proto = sorted(collectives(compiled, placement.mesh), key=key)
+    assert from_proto == sorted(collectives(text, placement.mesh), key=key)
+    assert {r.effective_kind for r in from_proto} >= {"all-gather", "reduce-scatter"}
+
+
 def test_report_prints_both_tables():
     _, _, compiled, placement, _ = sharded_run("gpt", "fsdp=8", "fsdp")
     for mesh in (None, placement.mesh):
