@@ -1,15 +1,27 @@
-"""Developer sessions: `nox -s tests`, `lint`, `docs`, `bench`, `tests_multiprocess`."""
+"""Developer sessions: `nox -s tests`, `tests-3.11`, `tests-3.12`, `lint`, `docs`, `bench`, `tests_multiprocess`.
+
+`tests` runs the suite on both supported ends of JAX: `tests-3.11` pins the oldest
+supported jax (0.10.2) on Python 3.11, `tests-3.12` installs the newest jax on
+Python 3.12 (jax >= 0.11 needs Python >= 3.12). nox finds the interpreters on PATH
+(with pyenv: `pyenv shell 3.11.7 3.12.1`, or `pyenv global` listing both); a
+missing interpreter is reported as a skipped session, not hidden.
+`.ci/run` does the same without nox.
+"""
 
 import nox
 
 nox.options.sessions = ["lint", "tests"]
+OLDEST_JAX = "0.10.2"
+JAX = {"3.11": (f"jax=={OLDEST_JAX}", f"jaxlib=={OLDEST_JAX}"), "3.12": ("--upgrade", "jax", "jaxlib")}
 
 
-@nox.session
+@nox.session(python=list(JAX))
 def tests(session: nox.Session) -> None:
-    """The whole suite on 8 simulated CPU devices (2 workers)."""
-    session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", "-n", "2", *session.posargs)
+    """The whole suite on 8 simulated CPU devices (2 workers), oldest (3.11) and newest (3.12) JAX."""
+    session.install("-e", ".[test]", *JAX[session.python])
+    session.run("python", "-c", "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)")
+    session.run("python", "-m", "pytest", "-n", "2", *session.posargs,
+                env={"EQGPT_TEST_XLA_CACHE": f".pytest_cache/xla-py{session.python}"})
 
 
 @nox.session
