@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from eqgpt.data.batch import Batch
-from eqgpt.data.loader import BatchLoader
+from eqgpt.data.loader import BatchLoader, check_state
 from eqgpt.data.packing import PackedLoader
 
 log = logging.getLogger(__name__)
@@ -103,19 +103,6 @@ class GrainLoader:
         it, self._iter = self._iter, None
         if it is not None and hasattr(it, "close"):
             it.close()
-
-
-def check_state(loader, state: dict) -> None:
-    """`ValueError` if a checkpoint's data state was written with another seed, mode or batch shape."""
-    mine = {"seed": loader.seed, "mode": getattr(loader, "mode", "windows"),
-            "batch_size": loader.batch_size, "seq_len": loader.seq_len}
-    diff = {k: (state[k], v) for k, v in mine.items() if k in state and state[k] != v}
-    if diff:
-        raise ValueError(
-            "the checkpoint's data pipeline differs from this run's: "
-            + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            + "; resume with the same --data settings (or start a new run) to see the same batches."
-        )
 
 
 @dataclass(frozen=True)

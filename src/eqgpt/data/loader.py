@@ -30,6 +30,20 @@ def process_rows(batch_size: int, process_index: int, process_count: int) -> tup
     return process_index * per, (process_index + 1) * per
 
 
+def check_state(loader, state: dict) -> None:
+    """`ValueError` if a checkpoint's data state was written with another seed, mode or batch shape."""
+    mine = {"seed": loader.seed, "mode": getattr(loader, "mode", "windows"),
+            "batch_size": loader.batch_size, "seq_len": loader.seq_len}
+    diff = {k: (state[k], v) for k, v in mine.items() if k in state and state[k] != v}
+    if diff:
+        raise ValueError(
+            "the checkpoint's data pipeline differs from this run's: "
+            + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            + "; resume with the same --data settings (or start a new run) to see the same batches."
+        )
+
+
+
 class BatchLoader:
     """Random training windows of `seq_len + 1` tokens, as `Batch`es of inputs and targets.
 
@@ -87,8 +101,6 @@ class BatchLoader:
 
     def restore(self, state: dict) -> int:
         """Check a checkpoint's data `state` against this loader; **returns** its step."""
-        from eqgpt.data.grain_source import check_state
-
         check_state(self, state)
         return int(state["step"])
 

@@ -39,7 +39,7 @@ import numpy as np
 from jaxtyping import Int
 
 from eqgpt.data.batch import Batch
-from eqgpt.data.loader import process_rows
+from eqgpt.data.loader import check_state, process_rows
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +225,6 @@ class PackedLoader:
 
     def restore(self, state: dict) -> int:
         """Check a checkpoint's data `state` against this loader; **returns** its step."""
-        from eqgpt.data.grain_source import check_state
-
         check_state(self, state)
         return int(state["step"])
 
