@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray, PyTree
 
 from eqgpt.nn.axes import NoConstraint, map_constraints
-from eqgpt.parallel import auto
+import eqgpt.parallel.auto as auto
 from eqgpt.parallel.rules import Rules, preset_rules
 
 
