@@ -1,0 +1,333 @@
+"""ZeRO-1 and ZeRO-2: the sharded weight update, a parameter server written in SPMD.
+
+Xu et al. 2020 ("Automatic cross-replica sharding of weight update in
+data-parallel training") and Rajbhandari et al. 2020 (ZeRO). Parameters stay
+replicated over `data`, as in data parallelism; the optimizer state is split
+over `data` (each device holds `1/n` of every moment), and each device updates
+only its block of every parameter, then the updated blocks are all-gathered:
+
+| stage | gradients | update | parameters |
+|---|---|---|---|
+| `zero=1` | all-reduced (as DP) | on this device's block | all-gathered |
+| `zero=2` | reduce-scattered | on this device's block | all-gathered |
+
+A reduce-scatter plus an all-gather move the same bytes as DP's all-reduce
+(`2 (n-1)/n` of the parameter bytes per device); ZeRO-1 adds the all-gather on top.
+In parameter-server terms (see `docs/parallelism/parameter-server.md`): device `i`
+is the server of block `i` of every array; the reduce-scatter is the workers'
+*push* of gradients, the all-gather their *pull* of new parameters.
+
+Which block: every array is split along its first dimension (not yet split by the
+strategy's own rules, e.g. `tensor`) whose size divides by `n`; an array with none
+stays replicated and is updated whole on every device (norm scales of odd sizes).
+
+Two forms, checked against data parallelism in `tests/test_zero.py`:
+
+- **automatic** (`Strategy(..., zero=1|2)`): a placement that creates the optimizer
+  state in the sharded layout, and `zero_update`, which pins the gradients (ZeRO-2),
+  the new optimizer state and the freshly updated blocks to that layout and the new
+  parameters back to replicated; the partitioner inserts the collectives.
+- **manual** (`Strategy(..., zero=1|2, manual=True)`): `manual_zero_grad_fn` computes
+  each device's gradient under `shard_map` and reduce-scatters (or all-reduces) it
+  explicitly; `zero_update` then runs the optimizer under `shard_map` on the local
+  blocks and `all_gather`s the new parameters.
+
+Global-norm clipping inside the manual update must see the *global* norm, not the
+block's: `global_norm` (used by `eqgpt.train.optim`'s clipping) sums the squares of
+the blocks over `data` while `sharded_update_norm` is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, PyTree
+
+from eqgpt.nn.axes import NoConstraint, map_constraints
+from eqgpt.parallel.auto import param_specs
+from eqgpt.parallel.collectives import all_gather, all_reduce, axis_index, reduce_scatter, to_varying
+from eqgpt.parallel.placement import ShardedPlacement
+from eqgpt.parallel.rules import Rules
+from eqgpt.parallel.shard_map import filter_shard_map, is_spec
+
+Update = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+ZERO_AXIS = "data"
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def zero_dim(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, axis: str = ZERO_AXIS) -> int | None:
+    """The dimension ZeRO splits an array of `shape` (laid out by `spec`) along, or `None`.
+
+    The first dimension not split by `spec` whose size divides by `mesh.shape[axis]`;
+    failing that, the first split one whose local size still divides. `None` when
+    the array is already split over `axis` or nothing divides.
+    """
+    n = mesh.shape[axis]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if n == 1 or any(axis in _entry_axes(e) for e in entries):
+        return None
+    for want_unsplit in (True, False):
+        for d, (size, e) in enumerate(zip(shape, entries, strict=True)):
+            split = math.prod(mesh.shape[a] for a in _entry_axes(e))
+            if (split == 1) == want_unsplit and size % (split * n) == 0:
+                return d
+    return None
+
+
+def zero_spec(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, axis: str = ZERO_AXIS) -> PartitionSpec:
+    """`spec` with `axis` added on the `zero_dim` (unchanged if there is none)."""
+    d = zero_dim(shape, spec, mesh, axis)
+    if d is None:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    axes = _entry_axes(entries[d]) + (axis,)
+    entries[d] = axes[0] if len(axes) == 1 else axes
+    return PartitionSpec(*entries)
+
+
+def zero_specs(params: PyTree, mesh: Mesh, rules: Rules, overrides=None, axis: str = ZERO_AXIS) -> PyTree:
+    """The optimizer-state layout of every parameter: its own spec plus `axis` on its `zero_dim`."""
+    specs = param_specs(params, rules, overrides, mesh=mesh)
+    return jax.tree.map(lambda s, x: zero_spec(tuple(x.shape), s, mesh, axis) if is_spec(s) else s,
+                        specs, params, is_leaf=is_spec)
+
+
+def _shardings(mesh: Mesh, specs: PyTree) -> PyTree:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+
+
+def _array_like(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def like_params(opt_state: PyTree, params: PyTree, per_param: PyTree, other: Any) -> PyTree:
+    """A tree shaped like `opt_state`: every subtree with the parameters' structure and shapes
+    (Adam's moments, master weights) gets `per_param`'s leaves; every other array gets `other`."""
+    params = eqx.filter(params, _array_like)
+    treedef = jax.tree.structure(params)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+    values = jax.tree.leaves(per_param, is_leaf=lambda s: is_spec(s) or isinstance(s, NamedSharding))
+
+    def matches(x):
+        try:
+            return jax.tree.structure(x) == treedef
+        except Exception:  # noqa: BLE001
+            return False
+
+    def assign(sub):
+        if matches(sub) and [tuple(x.shape) for x in jax.tree.leaves(sub)] == shapes:
+            return jax.tree.unflatten(treedef, values)
+        return jax.tree.map(lambda x: other if _array_like(x) else None, sub)
+
+    return jax.tree.map(assign, opt_state, is_leaf=lambda x: matches(x) or _array_like(x))
+
+
+class ZeroPlacement(ShardedPlacement):
+    """`ShardedPlacement` whose optimizer state is split over `data` (ZeRO-1/2); parameters
+    and batches are placed as the base rules say.
+
+    **Arguments:** as `ShardedPlacement`.
+    """
+
+    def opt_state_shardings(self, opt_state: PyTree, model: PyTree) -> PyTree:
+        """Moments (and master weights) in `zero_specs`; step counts and scalars replicated."""
+        params = eqx.filter(model, _array_like)
+        per_param = _shardings(self.mesh, zero_specs(params, self.mesh, self.rules, self.overrides))
+        return like_params(opt_state, params, per_param, NamedSharding(self.mesh, PartitionSpec()))
+
+    def init_opt_state(self, optimizer: Any, model: PyTree) -> PyTree:
+        """`optimizer.init` compiled with the ZeRO layout as output: moments created split."""
+        params = eqx.filter(model, eqx.is_array)
+        shardings = self.opt_state_shardings(jax.eval_shape(optimizer.init, params), model)
+        return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+    def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
+        """An existing optimizer state moved to the ZeRO layout."""
+        return jax.device_put(opt_state, self.opt_state_shardings(opt_state, model))
+
+    def __repr__(self) -> str:
+        return f"ZeroPlacement(mesh={dict(self.mesh.shape)}, rules={self.rules.name!r})"
+
+
+def check_zero(strategy: Any) -> None:
+    """Raise `ValueError` for a `Strategy` whose ZeRO option cannot work, before anything compiles."""
+    mesh, zero = strategy.mesh, strategy.zero
+    if mesh.shape.get(ZERO_AXIS, 1) < 2:
+        raise ValueError(f"zero={zero} splits the optimizer state over the mesh's data axis; add data=N "
+                         "(N > 1) to --mesh.")
+    if "fsdp" in strategy.rules.uses("params", mesh):
+        raise ValueError(f"fsdp already splits parameters, gradients and optimizer state (ZeRO-3); drop "
+                         f"--zero {zero} or fsdp from --strategy.")
+    if strategy.manual and strategy.rules.uses("params", mesh):
+        raise ValueError(f"the manual ZeRO path runs data parallelism only; combine --zero {zero} with "
+                         f"{strategy.rules.name} on the automatic path (drop --manual).")
+
+
+# ------------------------------------------------------------------ global norms of blocks
+
+_NORM_SHARDED: contextvars.ContextVar = contextvars.ContextVar("eqgpt_zero_norm", default=None)
+
+
+@contextlib.contextmanager
+def sharded_update_norm(axis: str, sharded: list[bool]) -> Iterator[None]:
+    """While active (inside the manual ZeRO update), `global_norm` of a tree whose leaves
+    are blocks (`sharded[i]`) or whole replicated arrays sums the blocks' squares over `axis`."""
+    token = _NORM_SHARDED.set((axis, list(sharded)))
+    try:
+        yield
+    finally:
+        _NORM_SHARDED.reset(token)
+
+
+def global_norm(tree: PyTree) -> Array:
+    """The L2 norm of all of `tree`'s arrays, in fp32; global over `data` inside the manual ZeRO update."""
+    leaves = jax.tree.leaves(tree)
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves]
+    ctx = _NORM_SHARDED.get()
+    if ctx is None or len(ctx[1]) != len(leaves):
+        return jnp.sqrt(sum(squares, jnp.float32(0.0)))
+    axis, sharded = ctx
+    split = sum((s for s, b in zip(squares, sharded, strict=True) if b), jnp.float32(0.0))
+    whole = sum((s for s, b in zip(squares, sharded, strict=True) if not b), jnp.float32(0.0))
+    return jnp.sqrt(all_reduce(split, axis) + whole)
+
+
+# ------------------------------------------------------------------ the update
+
+
+def zero_update(update: Update, mesh: Mesh, *, stage: int, rules: Rules, overrides=None,
+                manual: bool = False, axis: str = ZERO_AXIS) -> Update:
+    """`update(grads, opt_state, params) -> (params, opt_state)` run as ZeRO `stage` (1 or 2).
+
+    `update` is the plain optimizer update of `make_train_step`. On the automatic
+    path the gradients (ZeRO-2), the updated blocks and the new optimizer state are
+    pinned to `zero_specs` and the new parameters to their own layout. On the
+    manual path (`manual=True`; gradients from `manual_zero_grad_fn`, already
+    reduce-scattered for ZeRO-2) `update` runs under `shard_map` on each device's
+    blocks and the new blocks are `all_gather`ed.
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}.")
+
+    if not manual:
+        def auto_update(grads, opt_state, params):
+            full = _shardings(mesh, param_specs(params, rules, overrides, mesh=mesh))
+            split = _shardings(mesh, zero_specs(params, mesh, rules, overrides, axis))
+            pin = jax.lax.with_sharding_constraint
+            if stage == 2:  # reduce-scatter instead of all-reduce: the push to the block's server
+                grads = pin(grads, split)
+            new_params, new_opt = update(grads, opt_state, params)
+            new_params = pin(pin(new_params, split), full)  # update the block, then the pull (all-gather)
+            replicated = NamedSharding(mesh, PartitionSpec())
+            return new_params, pin(new_opt, like_params(new_opt, params, split, replicated))
+
+        return auto_update
+
+    def manual_update(grads, opt_state, params):
+        specs = zero_specs(params, mesh, rules, overrides, axis)
+        dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
+        if any(_entry_axes(e) for s in jax.tree.leaves(param_specs(params, rules, overrides, mesh=mesh),
+                                                       is_leaf=is_spec) for e in s):
+            raise ValueError("the manual ZeRO update supports data parallelism only (replicated parameters); "
+                             "combine ZeRO with tp or the pipeline on the automatic path.")
+        opt_specs = like_params(opt_state, params, specs, PartitionSpec())
+        grad_specs = specs if stage == 2 else PartitionSpec()
+        n = mesh.shape[axis]
+
+        def block(x, d):
+            if d is None:
+                return x
+            k = x.shape[d] // n
+            return jax.lax.dynamic_slice_in_dim(x, axis_index(axis) * k, k, axis=d)
+
+        def local(g, s, p):
+            pl, pdef = jax.tree.flatten(p)
+            gl = jax.tree.leaves(g)
+            p_blocks = jax.tree.unflatten(pdef, [block(x, d) for x, d in zip(pl, dims, strict=True)])
+            g_blocks = jax.tree.unflatten(pdef, gl if stage == 2 else
+                                          [block(x, d) for x, d in zip(gl, dims, strict=True)])
+            with sharded_update_norm(axis, [d is not None for d in dims]):
+                new_blocks, new_s = update(g_blocks, s, p_blocks)
+            new_p = [all_gather(x, axis, dim=d) if d is not None else x
+                     for x, d in zip(jax.tree.leaves(new_blocks), dims, strict=True)]
+            return jax.tree.unflatten(pdef, new_p), new_s
+
+        mapped = filter_shard_map(local, mesh=mesh, in_specs=(grad_specs, opt_specs, PartitionSpec()),
+                                  out_specs=(jax.tree.map(lambda _: PartitionSpec(), params), opt_specs),
+                                  check_vma=False)
+        return mapped(grads, opt_state, params)
+
+    return manual_update
+
+
+# ------------------------------------------------------------------ manual gradients
+
+
+def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int = 128, z_loss: float = 0.0,
+                        axis: str = ZERO_AXIS) -> Callable:
+    """`grad_fn(model, batch) -> ((loss, aux), grads)` of data parallelism under `shard_map`,
+    with the gradient reduction of ZeRO `stage` written out.
+
+    Each device differentiates `sum(loss of its rows) / tokens of all rows`; its
+    gradients are then summed in fp32: ZeRO-1 `all_reduce`s them (every device gets
+    the whole sum), ZeRO-2 `reduce_scatter`s every array along its `zero_dim` (device
+    `i` gets block `i` of the sum: the gradients come out split over `data`, as
+    `zero_update(manual=True)` takes them). Arrays with no `zero_dim` are all-reduced.
+    """
+    from eqgpt.parallel.strategy import lm_batch_loss
+
+    if stage not in (1, 2):
+        raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}.")
+
+    def local(model, batch):
+        params, static = eqx.partition(model, eqx.is_array)
+        dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
+        params = to_varying(params, axis)
+        mask = (jnp.ones(batch.tokens.shape, jnp.float32) if batch.loss_mask is None
+                else batch.loss_mask.astype(jnp.float32))
+        mine = jnp.maximum(jnp.sum(mask), 1.0)
+        weight = mine / jnp.maximum(all_reduce(jnp.sum(mask), axis), 1.0)
+
+        def loss_of(p):
+            m = map_constraints(eqx.combine(policy.cast_to_compute(p), static), lambda _p, _h: NoConstraint())
+            loss, aux = lm_batch_loss(m, batch, chunk_size=chunk_size, z_loss=z_loss)
+            aux = jax.tree.map(lambda a: a.astype(jnp.float32) * weight, aux)
+            return loss.astype(jnp.float32) * weight, aux
+
+        (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        leaves, treedef = jax.tree.flatten(grads)
+        out = []
+        for g, d in zip(leaves, dims, strict=True):
+            g32 = g.astype(jnp.float32)
+            summed = reduce_scatter(g32, axis, dim=d) if stage == 2 and d is not None else all_reduce(g32, axis)
+            out.append(summed.astype(g.dtype))
+        return (all_reduce(loss, axis), all_reduce(aux, axis)), jax.tree.unflatten(treedef, out)
+
+    def grad_fn(model: PyTree, batch: Any):
+        params = eqx.filter(model, eqx.is_array)
+        dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
+        grad_specs = jax.tree.unflatten(jax.tree.structure(params), [
+            PartitionSpec(*([None] * d + [axis])) if stage == 2 and d is not None else PartitionSpec()
+            for d in dims])
+        batch_spec = PartitionSpec(axis)
+        mapped = filter_shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), batch_spec),
+                                  out_specs=((PartitionSpec(), {"nll": PartitionSpec(), "z_loss": PartitionSpec()}),
+                                             grad_specs))
+        return mapped(model, batch)
+
+    return grad_fn
+
+
+__all__ = ["ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
+           "global_norm", "sharded_update_norm", "like_params"]

@@ -1,0 +1,150 @@
+"""ZeRO-1/2 (the sharded weight update): equal to data parallelism, 1/n of its optimizer
+state per device, and the collectives of the analytic cost, read from the compiled step.
+
+CPU has no reduce-scatter: where the partitioner wants one it compiles an all-reduce
+and a slice, which `eqgpt.profile.collectives` reports as "all-reduce+slice"
+(`effective_kind` "reduce-scatter"); a hand-written `psum_scatter` (the manual path)
+is a real reduce-scatter even on CPU.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import eqgpt
+from eqgpt import nn
+from eqgpt import parallel as par
+from eqgpt.data import Batch
+from eqgpt.parallel.zero import ZeroPlacement, zero_dim
+from eqgpt.profile import collectives, memory
+from eqgpt.train import Strategy, TrainState, make_optimizer, make_train_step
+
+# Untied head, so every gradient is one reduction (a tied table gets two, see test_parallel_hlo).
+CONFIG = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=8, embed_dim=32, tie_embeddings=False)
+BATCH, SEQ, STEPS = 8, 32, 5
+OPTIONS = {"xla_backend_optimization_level": 0}
+# Clipping at a norm the gradients exceed: the manual update must clip by the global norm.
+OPTIMIZER = make_optimizer(1e-3, clip_norm=0.5, weight_decay=0.1)
+
+
+def batches():
+    return [Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(100 + i), (BATCH, SEQ + 1), 0, 64)))
+            for i in range(STEPS)]
+
+
+@functools.cache
+def run(mesh: str, rules: str, zero: int = 0, manual: bool = False):
+    """5 steps of `make_train_step`: losses, final arrays, compiled step, strategy, start state."""
+    strategy = Strategy(par.make_mesh(mesh), rules, manual=manual, zero=zero)
+    model = strategy.init_model(lambda k: nn.GPT(CONFIG, key=k), jax.random.key(0))
+    state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(1))
+    step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
+    data = [strategy.batch(b) for b in batches()]
+    compiled = step.lower(state, data[0]).compile(OPTIONS)
+    start, losses = state, []
+    for b in data:
+        state, metrics = compiled(state, b)
+        losses.append(float(metrics["loss"]))
+    arrays = {par.path_str(p): np.asarray(x)
+              for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(state.model, eqx.is_array))[0]}
+    return losses, arrays, compiled, strategy, start
+
+
+def assert_same_training(a, b, rel):
+    """Losses rtol `rel`; arrays rtol `rel`, atol 1e-6, as test_parallel_parity (the key bias,
+    whose gradient is rounding noise, atol 2e-5: see test_k_bias_is_noise there)."""
+    np.testing.assert_allclose(a[0], b[0], rtol=rel)
+    for path, x in a[1].items():
+        atol = 2e-5 if path == "blocks.attn.k_proj.bias" else 1e-6
+        np.testing.assert_allclose(x, b[1][path], rtol=rel, atol=atol, err_msg=path)
+
+
+def nbytes(tree, per_device: bool):
+    leaves = [x for x in jax.tree.leaves(tree) if eqx.is_array(x)]
+    if per_device:
+        return sum(x.addressable_shards[0].data.nbytes for x in leaves)
+    return sum(x.nbytes for x in leaves)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["auto", "manual"])
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_trains_like_data_parallelism(zero, manual):
+    dp = run("data=8", "dp")
+    assert_same_training(run("data=8", "dp", zero, manual), dp, 1e-5)
+
+
+def test_zero2_with_tensor_parallelism_trains_like_data_parallelism():
+    assert_same_training(run("data=4,tensor=2", "dp+tp", 2), run("data=8", "dp"), 1e-5)
+
+
+def test_zero_state_is_split_over_data_and_parameters_stay_replicated():
+    *_, strategy, state = run("data=8", "dp", 1)
+    assert isinstance(strategy.placement_for(state.model), ZeroPlacement)
+    for p in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)):
+        assert p.sharding.is_fully_replicated
+    mu = state.opt_state[1][0].mu  # chain(clip, adamw): adamw's ScaleByAdamState
+    for m in jax.tree.leaves(mu):
+        assert zero_dim(m.shape, jax.sharding.PartitionSpec(), strategy.mesh) is not None
+        assert m.addressable_shards[0].data.size * 8 == m.size
+
+
+def test_zero1_optimizer_state_is_an_eighth_of_dp():
+    *_, dp_compiled, _, dp_state = run("data=8", "dp")
+    *_, z_compiled, _, z_state = run("data=8", "dp", 1)
+    dp_opt, z_opt = nbytes(dp_state.opt_state, True), nbytes(z_state.opt_state, True)
+    assert nbytes(z_state.opt_state, False) == nbytes(dp_state.opt_state, False)
+    assert z_opt <= dp_opt / 8 * 1.02, (z_opt, dp_opt)
+    # The compiled step's arguments (params, optimizer state, batch) shrink by the same bytes.
+    saved = memory(dp_compiled).argument_bytes - memory(z_compiled).argument_bytes
+    assert abs(saved - (dp_opt - z_opt)) <= 0.02 * dp_opt, (saved, dp_opt - z_opt)
+
+
+def param_bytes(state):
+    return nbytes(eqx.filter(state.model, eqx.is_array), False)
+
+
+def big(rows, kind, param_total):
+    """Float collectives of `kind` moving whole arrays (not the scalars of the loss and the norm)."""
+    return [r for r in rows if r.effective_kind == kind and r.bytes >= 64 and r.shapes[0].startswith("f32")]
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["auto", "manual"])
+def test_zero2_reduce_scatters_gradients_and_all_gathers_parameters(manual):
+    _, _, compiled, strategy, state = run("data=8", "dp", 2, manual)
+    rows = collectives(compiled, strategy.mesh)
+    total = param_bytes(state)
+    rs, ag = big(rows, "reduce-scatter", total), big(rows, "all-gather", total)
+    assert rs and ag
+    assert all(r.axes == ("data",) for r in rs + ag)
+    if manual:  # psum_scatter by hand: a real reduce-scatter even on CPU
+        assert all(r.kind == "reduce-scatter" for r in rs)
+    # Analytic: the gradients' bytes reduce-scattered, the parameters' bytes all-gathered
+    # (large side, per device); together the volume of DP's all-reduce.
+    for got in (sum(r.total_bytes for r in rs), sum(r.total_bytes for r in ag)):
+        assert abs(got - total) <= 0.02 * total, (got, total)
+    assert not big(rows, "all-reduce", total)
+
+
+def test_zero1_all_reduces_gradients_and_all_gathers_parameters():
+    _, _, compiled, strategy, state = run("data=8", "dp", 1)
+    rows = collectives(compiled, strategy.mesh)
+    total = param_bytes(state)
+    for kind in ("all-reduce", "all-gather"):
+        got = sum(r.total_bytes for r in big(rows, kind, total))
+        assert abs(got - total) <= 0.02 * total, (kind, got, total)
+    assert not big(rows, "reduce-scatter", total)
+
+
+def test_zero_configuration_errors():
+    with pytest.raises(ValueError, match="data=N"):
+        Strategy(par.make_mesh("tensor=8"), "tp", zero=1)
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        Strategy(par.make_mesh("data=2,fsdp=4"), "dp+fsdp", zero=2)
+    with pytest.raises(ValueError, match="automatic path"):
+        Strategy(par.make_mesh("data=4,tensor=2"), "dp+tp", manual=True, zero=2)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        Strategy(zero=1)
+    assert Strategy.parse("data=8", "dp", zero=2).describe() == "dp | zero2"
