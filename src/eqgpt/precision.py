@@ -6,17 +6,31 @@ Parameters stay fp32 (the optimizer updates them). The loss function casts a cop
 to `compute_dtype` *inside* the differentiated function, so gradients arrive in the
 parameter dtype. Losses, softmax statistics and gradient sums stay fp32 whatever
 the compute dtype (`eqgpt.nn.lm_loss` computes in fp32).
+
+Two more modes (see `docs/numerics.md`):
+
+- **fp16 with dynamic loss scaling** (`Policy.named("fp16")`): the loss is multiplied
+  by a scale before differentiation and the gradients divided by it after, in fp32;
+  the scale (a `LossScale` in the `TrainState`, so checkpoints keep it) halves on a
+  step whose gradients overflow (the step is skipped) and doubles after
+  `growth_interval` good steps in a row.
+- **low-precision parameters with fp32 master weights** (`master_weights=True`):
+  the model's arrays are stored in `param_dtype` (bf16), and the optimizer
+  (`Policy.optimizer`, `with_master_weights`) keeps an fp32 copy that it updates;
+  the stored parameters are that copy rounded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import PyTree
+import optax
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 _DTYPES = {"fp32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16,
            "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
@@ -29,17 +43,105 @@ def _cast(tree: PyTree, dtype) -> PyTree:
     )
 
 
+class LossScale(eqx.Module):
+    """The dynamic loss scale: its value and the count of finite steps since it last changed.
+
+    **Fields:** `scale` (fp32 scalar), `good_steps` (int32 scalar); static
+    `growth_interval` (good steps before the scale doubles) and `factor` (2).
+    """
+
+    scale: Float[Array, ""]
+    good_steps: Int[Array, ""]
+    growth_interval: int = eqx.field(static=True, default=2000)
+    factor: float = eqx.field(static=True, default=2.0)
+
+    def adjust(self, finite: Bool[Array, ""]) -> LossScale:
+        """After a step: halve (not below 1) if the gradients overflowed, double after
+        `growth_interval` finite steps in a row, else count one more good step."""
+        grow = finite & (self.good_steps + 1 >= self.growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, self.scale * self.factor, self.scale),
+                          jnp.maximum(self.scale / self.factor, 1.0))
+        good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
+        return LossScale(scale.astype(jnp.float32), good.astype(jnp.int32), self.growth_interval, self.factor)
+
+
+class MasterWeightsState(NamedTuple):
+    """`with_master_weights`' state: the fp32 copy of the parameters and the inner optimizer's state."""
+
+    master: PyTree
+    inner: optax.OptState
+
+
+def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` run on an fp32 copy of low-precision parameters (mixed-precision master weights).
+
+    `init(params)` keeps `params` cast to fp32 as `master`; `update(grads, state, params)`
+    gives `inner` the fp32 gradients and the master copy, updates the copy in fp32, and
+    returns the updates that bring `params` to the copy rounded to their dtype
+    (`master.astype(p.dtype) - p`, exact when the two are within a factor of 2, as
+    they are for any step short of doubling a weight). Small updates that would
+    vanish in bf16 accumulate in the master copy instead.
+    """
+    to32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, t)  # noqa: E731
+
+    def init(params):
+        master = to32(params)
+        return MasterWeightsState(master, inner.init(master))
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("with_master_weights needs params in update (make_train_step passes them).")
+        updates, inner_state = inner.update(to32(grads), state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        out = jax.tree.map(lambda m, p: m.astype(p.dtype) - p if _is_float(p) else None, master, params)
+        return out, MasterWeightsState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _is_float(x) -> bool:
+    return eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
 @dataclass(frozen=True)
 class Policy:
-    """**Fields:** `param_dtype`, `compute_dtype` (names: "fp32", "bf16", "fp16")."""
+    """**Fields:**
+
+    - `param_dtype`, `compute_dtype` (names: "fp32", "bf16", "fp16");
+    - `loss_scaling`: dynamic loss scaling (for fp16 compute), starting at
+      `initial_scale` and doubling after `growth_interval` finite steps;
+    - `master_weights`: the optimizer keeps fp32 master weights of `param_dtype`
+      parameters (`Policy.optimizer`).
+    """
 
     param_dtype: str = "fp32"
     compute_dtype: str = "fp32"
+    loss_scaling: bool = False
+    initial_scale: float = 2.0**15
+    growth_interval: int = 2000
+    master_weights: bool = False
 
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ValueError(f"Policy.{f} = {getattr(self, f)!r}; choose one of {sorted(_DTYPES)}.")
+        if self.growth_interval < 1 or self.initial_scale < 1:
+            raise ValueError(f"Policy: growth_interval and initial_scale must be >= 1, got {self}.")
+
+    def cast_to_param(self, tree: PyTree) -> PyTree:
+        """Floating arrays of `tree` in the parameter dtype (what the model is stored in)."""
+        return _cast(tree, _DTYPES[self.param_dtype])
+
+    def optimizer(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+        """`optimizer`, wrapped by `with_master_weights` when the policy keeps master weights."""
+        return with_master_weights(optimizer) if self.master_weights else optimizer
+
+    def loss_scale_state(self) -> LossScale | None:
+        """The initial `LossScale` for `TrainState(..., loss_scale=)`; `None` without loss scaling."""
+        if not self.loss_scaling:
+            return None
+        return LossScale(jnp.asarray(self.initial_scale, jnp.float32), jnp.asarray(0, jnp.int32),
+                         self.growth_interval)
 
     def cast_to_compute(self, tree: PyTree) -> PyTree:
         """Floating arrays of `tree` in the compute dtype (a copy for the forward pass)."""
@@ -50,13 +152,27 @@ class Policy:
 
         The model is cast to the compute dtype inside the differentiated function,
         so gradients come back in the parameter dtype; loss and aux are cast to fp32.
+        The returned function also takes `loss_scale=` (an fp32 scalar): the loss is
+        multiplied by it before differentiation and the gradients divided by it
+        after, in fp32 (the loss and aux returned are unscaled).
         """
 
-        def loss_of(model, batch):
+        def loss_of(model, batch, scale):
             loss, aux = loss_fn(self.cast_to_compute(model), batch)
-            return loss.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), aux)
+            loss = loss.astype(jnp.float32)
+            return loss * scale, (loss, jax.tree.map(lambda a: a.astype(jnp.float32), aux))
 
-        return eqx.filter_value_and_grad(loss_of, has_aux=True)
+        grad = eqx.filter_value_and_grad(loss_of, has_aux=True)
+
+        def grad_fn(model, batch, loss_scale=None):
+            scale = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+            (_, (loss, aux)), grads = grad(model, batch, scale)
+            if loss_scale is not None:
+                grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype)
+                                     if _is_float(g) else g, grads)
+            return (loss, aux), grads
+
+        return grad_fn
 
     @property
     def compute(self) -> jnp.dtype:
@@ -64,13 +180,23 @@ class Policy:
         return jnp.dtype(_DTYPES[self.compute_dtype])
 
     @classmethod
-    def named(cls, name: str) -> Policy:
-        """`"fp32"`: everything fp32. `"bf16"`: fp32 params and outputs, bf16 compute."""
+    def named(cls, name: str, *, master_weights: bool = False) -> Policy:
+        """`"fp32"`: everything fp32. `"bf16"`: fp32 params and outputs, bf16 compute.
+        `"fp16"`: fp16 compute with dynamic loss scaling.
+
+        `master_weights=True` stores the parameters in the compute dtype too, with
+        fp32 master weights in the optimizer (not for fp32).
+        """
         if name in ("fp32", "float32"):
+            if master_weights:
+                raise ValueError("master_weights keeps fp32 copies of low-precision parameters; "
+                                 "use it with bf16 or fp16, not fp32.")
             return cls()
-        if name in ("bf16", "bfloat16"):
-            return cls(compute_dtype="bf16")
-        raise ValueError(f"Unknown precision {name!r}; choose 'fp32' or 'bf16'.")
+        low = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(name)
+        if low is None:
+            raise ValueError(f"Unknown precision {name!r}; choose 'fp32', 'bf16' or 'fp16'.")
+        return cls(param_dtype=low if master_weights else "fp32", compute_dtype=low, loss_scaling=low == "fp16",
+                   master_weights=master_weights)
 
     @classmethod
     def default(cls, platform: str | None = None) -> Policy:

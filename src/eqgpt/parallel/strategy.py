@@ -102,6 +102,9 @@ class Strategy:
     - `manual`: run data and tensor (and, with `sp` in `rules`, sequence)
       parallelism under `shard_map` with explicit collectives.
     - `overrides`: per-module rule sets (see `eqgpt.parallel.auto`).
+    - `zero`: 1 or 2 to split the optimizer state over `data` while parameters stay
+      replicated (ZeRO-1: gradients all-reduced; ZeRO-2: reduce-scattered); see
+      `eqgpt.parallel.zero`.
 
     Build from flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)`.
     """
@@ -112,12 +115,15 @@ class Strategy:
     context: Any = None  # eqgpt.parallel.context.ContextConfig
     manual: bool = False
     overrides: Mapping[str, Rules] | None = None
+    zero: Literal[0, 1, 2] = 0
 
     def __post_init__(self):
         object.__setattr__(self, "rules", preset_rules(self.rules))
+        if self.zero not in (0, 1, 2):
+            raise ValueError(f"zero must be 0, 1 or 2 (ZeRO stage), got {self.zero!r}.")
         if self.mesh is None:
             parts = [n for n, v in (("pipeline", self.pipeline), ("context", self.context),
-                                    ("manual", self.manual)) if v]
+                                    ("manual", self.manual), (f"zero={self.zero}", self.zero)) if v]
             if parts:
                 raise ValueError(f"{', '.join(parts)} needs a mesh, e.g. --mesh pipeline=2,data=2; "
                                  "one device runs none of them.")
@@ -127,6 +133,10 @@ class Strategy:
                              "to combine pipeline or context parallelism (they run on the automatic path).")
         if self.manual and "fsdp" in self.rules.uses("params", self.mesh):
             raise ValueError("the manual path has no FSDP; use --strategy dp+tp (or dp+sp) with --manual.")
+        if self.zero:
+            from eqgpt.parallel.zero import check_zero
+
+            check_zero(self)
         if self.context is not None and "context" not in self.rules.axes("seq", "activations"):
             from eqgpt.parallel.context import context_rules
 
@@ -155,13 +165,14 @@ class Strategy:
         virtual_stages: int = 2,
         context: str | None = None,
         manual: bool = False,
+        zero: Literal[0, 1, 2] = 0,
     ) -> Strategy:
         """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
 
         **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
         `rules` (presets joined by `+`), `pipeline` (a schedule name or `None`),
         `microbatches`, `virtual_stages`, `context` ("ring", "allgather" or `None`),
-        `manual`.
+        `manual`, `zero` (ZeRO stage 0, 1 or 2).
         """
         pipe = PipelineConfig(pipeline, microbatches, virtual_stages) if pipeline else None
         ctx = None
@@ -169,7 +180,7 @@ class Strategy:
             from eqgpt.parallel.context import ContextConfig
 
             ctx = ContextConfig(impl=context)
-        return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual)
+        return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero)
 
     # ------------------------------------------------------------------ what it uses
 
@@ -184,6 +195,8 @@ class Strategy:
             used |= {"pipeline", "data", "fsdp"}  # the pipeline splits microbatch rows over data and fsdp
         if self.manual:
             used |= {"data", "tensor"}
+        if self.zero:
+            used |= {"data"}  # the optimizer state is split over data
         return tuple(a for a in self.mesh.axis_names if a in used and self.mesh.shape[a] > 1)
 
     @property
@@ -200,6 +213,8 @@ class Strategy:
             parts.append(f"pipeline {self.pipeline.schedule} m={self.pipeline.microbatches}")
         if self.context:
             parts.append(f"context {self.context.impl}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
         if self.manual:
             parts.append("manual")
         return " | ".join(parts)
@@ -214,6 +229,10 @@ class Strategy:
         """The placement of `model_like` (a model or its `eqx.filter_eval_shape`)."""
         if self.mesh is None:
             return SingleDevice()
+        if self.zero:
+            from eqgpt.parallel.zero import ZeroPlacement
+
+            return ZeroPlacement(self.mesh, self.param_rules, self.overrides)
         if self.manual:
             from eqgpt.parallel.manual import manual_placement
 
@@ -361,18 +380,36 @@ class Strategy:
         structure, already reduced over every axis the strategy splits the batch over.
         """
         policy = Policy() if policy is None else policy
+        if policy.loss_scaling and (self.pipeline is not None or self.manual):
+            raise ValueError("loss scaling (fp16) runs on one device and the automatic path (with context "
+                             "parallelism too) for now; use bf16 with --pipeline or --manual.")
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import pipeline_grad_fn
 
             return _plain_positions_only(pipeline_grad_fn(
                 self.mesh, self.pipeline_schedule(), rules=self.param_rules, chunk_size=chunk_size,
                 z_loss=z_loss, policy=policy, context=self.context))
+        if self.manual and self.zero:
+            from eqgpt.parallel.zero import manual_zero_grad_fn
+
+            return manual_zero_grad_fn(self.mesh, stage=self.zero, policy=policy, chunk_size=chunk_size,
+                                       z_loss=z_loss)
         if self.manual:
             from eqgpt.parallel.manual import manual_grad_fn
 
             return _plain_positions_only(manual_grad_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
                                                         chunk_size=chunk_size, z_loss=z_loss, policy=policy))
         return policy.value_and_grad(self.loss_fn(chunk_size=chunk_size, z_loss=z_loss))
+
+    def sharded_update(self, update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]):
+        """The optimizer update `update(grads, opt_state, params) -> (params, opt_state)` as this
+        strategy runs it: unchanged, or under ZeRO on each device's block (`eqgpt.parallel.zero`)."""
+        if not self.zero:
+            return update
+        from eqgpt.parallel.zero import zero_update
+
+        return zero_update(update, self.mesh, stage=self.zero, rules=self.param_rules, overrides=self.overrides,
+                           manual=self.manual)
 
 
 def _num_layers(model_like: PyTree) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
@@ -17,6 +18,7 @@ from eqgpt.nn.axes import LogicalAxes, logical_axes
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.norm import LayerNorm, RMSNorm
+from eqgpt.parallel.zero import global_norm
 
 
 def decay_mask(params: PyTree, *, embeddings: bool = False, norms_and_biases: bool = False) -> PyTree:
@@ -54,6 +56,20 @@ def decay_mask(params: PyTree, *, embeddings: bool = False, norms_and_biases: bo
     return jax.tree.map(by_axes, marked, axes, is_leaf=lambda x: isinstance(x, (bool, LogicalAxes)))
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` (same state, same result) whose norm stays global when
+    the update runs on each device's block of the gradients (the manual ZeRO update,
+    see `eqgpt.parallel.zero.global_norm`)."""
+
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        trigger = norm < max_norm
+        return jax.tree.map(lambda t: jnp.where(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_lr_schedule(
     lr: float, *, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1
 ) -> optax.Schedule:
@@ -88,4 +104,4 @@ def make_optimizer(
     """
     mask = lambda p: decay_mask(p, embeddings=decay_embeddings, norms_and_biases=decay_norms_and_biases)  # noqa: E731
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
-    return adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+    return adamw if clip_norm is None else optax.chain(clip_by_global_norm(clip_norm), adamw)

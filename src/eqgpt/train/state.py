@@ -7,12 +7,16 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from eqgpt.precision import LossScale
+
 
 class TrainState(eqx.Module):
     """Model, optimizer state, step counter, a random key, and the skipped-step count.
 
     `step` counts batches consumed (it advances on skipped steps too, so a bad batch
     is not retried); `skipped` counts updates dropped by the non-finite guard.
+    `loss_scale` is the dynamic loss scale of an fp16 policy (`Policy.loss_scale_state()`),
+    `None` otherwise.
     """
 
     model: PyTree
@@ -20,11 +24,15 @@ class TrainState(eqx.Module):
     step: Int[Array, ""]
     rng: PRNGKeyArray
     skipped: Int[Array, ""]
+    loss_scale: LossScale | None
 
-    def __init__(self, model: PyTree, opt_state: optax.OptState, step=0, *, rng: PRNGKeyArray, skipped=0):
-        """**Arguments:** `model`, `opt_state`, `step` (default 0), `rng`, `skipped` (default 0)."""
+    def __init__(self, model: PyTree, opt_state: optax.OptState, step=0, *, rng: PRNGKeyArray, skipped=0,
+                 loss_scale: LossScale | None = None):
+        """**Arguments:** `model`, `opt_state`, `step` (default 0), `rng`, `skipped` (default 0),
+        `loss_scale` (default `None`: no loss scaling)."""
         self.model = model
         self.opt_state = opt_state
         self.step = jnp.asarray(step, jnp.int32)
         self.rng = rng
         self.skipped = jnp.asarray(skipped, jnp.int32)
+        self.loss_scale = loss_scale

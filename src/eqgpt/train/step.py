@@ -6,6 +6,7 @@ buffers are donated, so the old and the new state never coexist in memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -85,30 +86,48 @@ def make_train_step(
     `grad_norm`, `skipped` (1 if this update was dropped) and the aux entries. If
     the loss or any gradient is not finite, model and optimizer state are left
     unchanged, `state.skipped` grows by one and `state.step` still advances.
+
+    The update runs as the strategy says (`Strategy.sharded_update`: ZeRO updates
+    each device's block). With a loss-scaling policy the state carries a
+    `LossScale` (`TrainState(..., loss_scale=policy.loss_scale_state())`): the
+    gradients are computed with it, and it is adjusted after every step (metric
+    `loss_scale`).
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
     if grad_fn is not None and (policy is not None or strategy is not None or z_loss):
         raise ValueError("make_train_step: give either grad_fn (which owns its loss and precision) or "
                          "strategy/policy/z_loss, not both.")
+    scaling = policy is not None and policy.loss_scaling
+    strategy = Strategy() if strategy is None else strategy
     if grad_fn is None:
-        strategy = Strategy() if strategy is None else strategy
         grad_fn = strategy.grad_fn(policy, z_loss=z_loss, model_like=model_like)
 
+    def apply_update(grads, opt_state, params):
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        return eqx.apply_updates(params, updates), new_opt
+
+    update = strategy.sharded_update(apply_update)
+
     def step(state: TrainState, batch: Batch):
-        (loss, aux), grads = accumulate(grad_fn, state.model, batch, accum_steps)
+        if scaling and state.loss_scale is None:
+            raise ValueError("this policy scales the loss: create the state with "
+                             "TrainState(..., loss_scale=policy.loss_scale_state()).")
+        scaled = grad_fn if state.loss_scale is None else functools.partial(grad_fn, loss_scale=state.loss_scale.scale)
+        (loss, aux), grads = accumulate(scaled, state.model, batch, accum_steps)
         finite = jnp.isfinite(loss) & all_finite(grads)
         params = eqx.filter(state.model, eqx.is_array)
-        updates, new_opt = optimizer.update(grads, state.opt_state, params)
-        new_model = eqx.apply_updates(state.model, updates)
+        new_params, new_opt = update(grads, state.opt_state, params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        model = eqx.combine(keep(eqx.filter(new_model, eqx.is_array), params),
-                            eqx.filter(state.model, eqx.is_array, inverse=True))
+        model = eqx.combine(keep(new_params, params), eqx.filter(state.model, eqx.is_array, inverse=True))
         opt_state = keep(new_opt, state.opt_state)
         skipped = (~finite).astype(jnp.int32)
+        loss_scale = None if state.loss_scale is None else state.loss_scale.adjust(finite)
         new_state = TrainState(model, opt_state, state.step + 1, rng=state.rng,
-                               skipped=state.skipped + skipped)
+                               skipped=state.skipped + skipped, loss_scale=loss_scale)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "skipped": skipped, **aux}
+        if loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale.scale
         return new_state, metrics
 
     return eqx.filter_jit(step, donate="all" if donate else "none")
