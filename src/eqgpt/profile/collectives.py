@@ -34,6 +34,7 @@ expansion rules; `Collective.replica_groups` is always the explicit groups.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -554,6 +555,9 @@ class Collective:
 
 
 
+_WARNED_TEXT = False
+
+
 def _module(compiled: Any) -> _Module:
     """The optimized HLO module of `compiled`: from its proto where JAX offers it, else text."""
     if isinstance(compiled, str):
@@ -569,7 +573,13 @@ def _module(compiled: Any) -> _Module:
     try:
         modules = compiled.runtime_executable().hlo_modules()
         serialized = modules[0].as_serialized_hlo_module_proto()
-    except Exception:  # noqa: BLE001 - no proto on this backend/version: read the text instead
+    except Exception as e:  # no proto from this backend or runtime: read the text instead
+        global _WARNED_TEXT
+        if not _WARNED_TEXT:
+            _WARNED_TEXT = True
+            logging.getLogger(__name__).warning(
+                "collectives(): no HLO module proto from %s (%s); reading its HLO text.",
+                type(compiled).__name__, e)
         serialized = None
     if serialized:
         return _module_from_proto(bytes(serialized))
