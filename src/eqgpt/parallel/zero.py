@@ -225,8 +225,10 @@ def zero_update(update: Update, mesh: Mesh, *, stage: int, rules: Rules, overrid
             full = _shardings(mesh, param_specs(params, rules, overrides, mesh=mesh))
             split = _shardings(mesh, zero_specs(params, mesh, rules, overrides, axis))
             pin = jax.lax.with_sharding_constraint
-            if stage == 2:  # reduce-scatter instead of all-reduce: the push to the block's server
-                grads = pin(grads, split)
+            # ZeRO-2: reduce-scatter instead of all-reduce, the push to the block's server.
+            # ZeRO-1: whole summed gradients on every device (else the partitioner, seeing
+            # only blocks used, would compile ZeRO-1 into ZeRO-2).
+            grads = pin(grads, split if stage == 2 else full)
             new_params, new_opt = update(grads, opt_state, params)
             new_params = pin(pin(new_params, split), full)  # update the block, then the pull (all-gather)
             replicated = NamedSharding(mesh, PartitionSpec())
