@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from eqgpt.nn.axes import NoConstraint, map_constraints
+from eqgpt.nn.loss import lm_loss
 from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.collectives import all_gather, all_reduce, axis_index, reduce_scatter, to_varying
 from eqgpt.parallel.placement import ShardedPlacement
@@ -287,8 +288,6 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
     `i` gets block `i` of the sum: the gradients come out split over `data`, as
     `zero_update(manual=True)` takes them). Arrays with no `zero_dim` are all-reduced.
     """
-    from eqgpt.parallel.strategy import lm_batch_loss
-
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}.")
 
@@ -303,7 +302,9 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
 
         def loss_of(p):
             m = map_constraints(eqx.combine(policy.cast_to_compute(p), static), lambda _p, _h: NoConstraint())
-            loss, aux = lm_batch_loss(m, batch, chunk_size=chunk_size, z_loss=z_loss)
+            loss, aux = lm_loss(m, batch.tokens, batch.targets, loss_mask=batch.loss_mask,
+                                segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss,
+                                doc_positions=batch.positions)
             aux = jax.tree.map(lambda a: a.astype(jnp.float32) * weight, aux)
             return loss.astype(jnp.float32) * weight, aux
 
