@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqgpt.nn.axes import AxisNames
+from eqgpt.nn.linear import matmul_2d
 
 
 class Embedding(eqx.Module):
@@ -37,7 +38,7 @@ class Embedding(eqx.Module):
 
     def attend(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch num"]:
         """`x @ weight.T`: scores against every row (logits of a tied head)."""
-        return jnp.matmul(x, self.weight.astype(x.dtype).T)
+        return matmul_2d(x, self.weight.astype(x.dtype).T)
 
     def param_axes(self) -> dict[str, AxisNames]:
         return {"weight": self.axes}
