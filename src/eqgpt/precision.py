@@ -77,10 +77,10 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
 
     `init(params)` keeps `params` cast to fp32 as `master`; `update(grads, state, params)`
     gives `inner` the fp32 gradients and the master copy, updates the copy in fp32, and
-    returns the updates that bring `params` to the copy rounded to their dtype
-    (`master.astype(p.dtype) - p`, exact when the two are within a factor of 2, as
-    they are for any step short of doubling a weight). Small updates that would
-    vanish in bf16 accumulate in the master copy instead.
+    returns fp32 updates `master - p` that bring `params` to the copy rounded to their
+    dtype (`optax.apply_updates`, as `make_train_step` applies them, adds in fp32 and
+    rounds once). Small updates that would vanish in bf16 accumulate in the master
+    copy instead.
     """
     to32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, t)  # noqa: E731
 
@@ -93,7 +93,7 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
             raise ValueError("with_master_weights needs params in update (make_train_step passes them).")
         updates, inner_state = inner.update(to32(grads), state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
-        out = jax.tree.map(lambda m, p: m.astype(p.dtype) - p if _is_float(p) else None, master, params)
+        out = jax.tree.map(lambda m, p: m - p.astype(jnp.float32) if _is_float(p) else None, master, params)
         return out, MasterWeightsState(master, inner_state)
 
     return optax.GradientTransformation(init, update)

@@ -105,7 +105,7 @@ def make_train_step(
 
     def apply_update(grads, opt_state, params):
         updates, new_opt = optimizer.update(grads, opt_state, params)
-        return eqx.apply_updates(params, updates), new_opt
+        return optax.apply_updates(params, updates), new_opt  # p + u in the wider dtype, rounded to p's
 
     update = strategy.sharded_update(apply_update)
 
