@@ -9,6 +9,7 @@ elsewhere and no validation text leaks into training through a shared file.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import Int
 
-from eqgpt.data.tokenizer import ByteTokenizer
+from eqgpt.data.tokenizer import MAX_VOCAB, TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer, parse_bpe_spec, train_bpe
 
 # Directories of the stdlib that are not ordinary library code (tests, vendored
 # third-party packages, IDLE's tests): left out of the default corpus.
@@ -45,6 +46,7 @@ class Corpus:
     val_files: tuple[str, ...] = ()
     train_docs: np.ndarray | None = None  # document boundaries [0, end_0, end_1, ...] into train (packing)
     val_docs: np.ndarray | None = None
+    tokenizer: Tokenizer = ByteTokenizer()  # what made (and decodes) the tokens
 
 
 def default_cache_dir() -> Path:
@@ -113,16 +115,55 @@ def _fingerprint(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def _write_tokens(path: Path, files: list[Path], tokenizer: ByteTokenizer) -> None:
+def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progress: str | None = None) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     bounds = [0]  # one document per file: its token boundaries, for packing
-    with open(tmp, "wb") as out:
-        for f in files:
-            ids = tokenizer.encode_bytes(f.read_bytes())
-            out.write(ids.tobytes())
-            bounds.append(bounds[-1] + len(ids))
+    with open(tmp, "wb") as out, _progress(progress, len(files)) as advance:
+        if isinstance(tokenizer, ByteTokenizer):
+            chunks = ([f] for f in files)
+        else:  # encode_batch runs the library's threads over a chunk of files at a time
+            chunks = (files[i : i + 64] for i in range(0, len(files), 64))
+        for chunk in chunks:
+            if isinstance(tokenizer, ByteTokenizer):
+                encoded = [tokenizer.encode_bytes(chunk[0].read_bytes())]
+            else:
+                encoded = tokenizer.encode_batch([_read_text(f) for f in chunk])
+            for ids in encoded:
+                out.write(np.asarray(ids, np.uint16).tobytes())
+                bounds.append(bounds[-1] + len(ids))
+            advance(len(chunk))
     tmp.replace(path)  # atomic: a crash never leaves a half-written cache
     np.save(docs_path(path), np.asarray(bounds, np.int64))
+
+
+def _read_text(f: Path) -> str:
+    try:
+        return f.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{f} is not UTF-8 text ({e}); a BPE tokenizer reads UTF-8 text. Remove or convert "
+                         "the file, or use --data.tokenizer bytes.") from e
+
+
+class _progress:
+    """A rich progress bar over files (`label=None`: none); `advance(n)` moves it."""
+
+    def __init__(self, label: str | None, total: int):
+        self.label, self.total, self.bar = label, total, None
+
+    def __enter__(self):
+        if self.label is None or self.total < 2:
+            return lambda n: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("files"), TimeElapsedColumn(), transient=True)
+        task = self.bar.add_task(self.label, total=self.total)
+        self.bar.start()
+        return lambda n: self.bar.update(task, advance=n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def docs_path(tokens_path: Path) -> Path:
@@ -144,22 +185,47 @@ def _memmap(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer) -> Corpus:
+def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer, progress=False) -> Corpus:
     train_files, val_files = _split(root, files, val_percent)
     stats = [(f.relative_to(root).as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = _fingerprint([str(root), stats, val_percent, tokenizer.name])
+    spec = tokenizer if isinstance(tokenizer, str) else tokenizer.name if isinstance(tokenizer, ByteTokenizer) \
+        else tokenizer.fingerprint
+    key = _fingerprint([str(root), stats, val_percent, spec])
     cache = Path(cache_dir).expanduser() / f"{Path(name).name or 'corpus'}-{key}"
     cache.mkdir(parents=True, exist_ok=True)
+    tokenizer = _corpus_tokenizer(tokenizer, cache, train_files, progress)
     arrays, docs = {}, {}
     for split, split_files in (("train", train_files), ("val", val_files)):
         path = cache / f"{split}.bin"
         if not path.exists() or not docs_path(path).exists():
-            _write_tokens(path, split_files, tokenizer)
+            _write_tokens(path, split_files, tokenizer, progress=f"tokenize {split}" if progress else None)
         arrays[split] = _memmap(path)
         docs[split] = np.load(docs_path(path))
     rel = lambda fs: tuple(f.relative_to(root).as_posix() for f in fs)  # noqa: E731
     return Corpus(name, arrays["train"], arrays["val"], tokenizer.vocab_size, rel(train_files), rel(val_files),
-                  docs["train"], docs["val"])
+                  docs["train"], docs["val"], tokenizer)
+
+
+def _corpus_tokenizer(tokenizer: str | Tokenizer, cache: Path, train_files: list[Path], progress: bool) -> Tokenizer:
+    """`bpe:N`: the tokenizer cached in `cache`, else trained on the training files (never on
+    validation) and cached there; anything else: `load_tokenizer`."""
+    size = parse_bpe_spec(tokenizer) if isinstance(tokenizer, str) else None
+    if size is None:
+        tok = load_tokenizer(tokenizer)
+    elif (cache / TOKENIZER_FILE).is_file():
+        tok = load_tokenizer(cache / TOKENIZER_FILE)
+        tok.name = tokenizer
+    else:
+        if progress:
+            print(f"training a {tokenizer} tokenizer on {len(train_files)} training files ...", flush=True)
+        tok = train_bpe((_read_text(f) for f in train_files), size, length=len(train_files))
+        tmp = cache / f"tok.tmp{os.getpid()}"
+        tok.save(tmp).replace(cache / TOKENIZER_FILE)  # atomic
+        tmp.rmdir()
+    if tok.vocab_size > MAX_VOCAB:
+        raise ValueError(f"tokenizer {tok.name!r} has {tok.vocab_size} tokens; token caches hold uint16 ids "
+                         f"(at most {MAX_VOCAB}).")
+    return tok
 
 
 def _token_file_corpus(path: Path, *, val_percent: float, vocab_size: int) -> Corpus:
@@ -193,6 +259,8 @@ def load_corpus(
     val_percent: float = 5.0,
     min_tokens: int = 1,
     vocab_size: int = 256,
+    tokenizer: str | Tokenizer = "bytes",
+    progress: bool = False,
 ) -> Corpus:
     """Load (and cache) a corpus.
 
@@ -205,23 +273,31 @@ def load_corpus(
       of the token tail for token files.
     - `min_tokens`: each split must hold at least this many tokens (one training
       sequence plus its target, `seq_len + 1`); a clear error otherwise.
-    - `vocab_size`: the largest allowed id + 1 for token files (text is bytes, 256).
+    - `vocab_size`: the largest allowed id + 1 for token files (text: the tokenizer's).
+    - `tokenizer`: `"bytes"` (default), `"bpe:N"` (a byte-level BPE of N tokens trained
+      on the training split, cached as `tokenizer.json` next to the token cache), a
+      `tokenizer.json`, a GPT-2 `vocab.json` (see `eqgpt.data.load_tokenizer`), or a
+      `Tokenizer`. For token files it only names the tokenizer that made them.
+    - `progress`: progress bars while tokenizing (and a line while training BPE).
 
-    **Returns:** a `Corpus`.
+    **Returns:** a `Corpus` (its `tokenizer` decodes it).
     """
     if not 0 < val_percent < 100:
         raise ValueError(f"val_percent must lie in (0, 100), got {val_percent}.")
-    tokenizer = ByteTokenizer()
     cache_dir = default_cache_dir() if cache_dir is None else cache_dir
     if str(source) == "stdlib":
         corpus = _text_corpus("stdlib", stdlib_root(), stdlib_files(), cache_dir=cache_dir,
-                              val_percent=val_percent, tokenizer=tokenizer)
+                              val_percent=val_percent, tokenizer=tokenizer, progress=progress)
     elif Path(str(source)).suffix in TOKEN_SUFFIXES and Path(str(source)).is_file():
+        if isinstance(tokenizer, str) and parse_bpe_spec(tokenizer) is not None:
+            raise ValueError(f"{source} is already tokenized, so there is no text to train {tokenizer!r} on; "
+                             "pass the tokenizer.json that made it (or 'bytes').")
         corpus = _token_file_corpus(Path(source), val_percent=val_percent, vocab_size=vocab_size)
+        corpus = dataclasses.replace(corpus, tokenizer=load_tokenizer(tokenizer))
     else:
         root, files = text_files(source)
         corpus = _text_corpus(str(source), root, files, cache_dir=cache_dir,
-                              val_percent=val_percent, tokenizer=tokenizer)
+                              val_percent=val_percent, tokenizer=tokenizer, progress=progress)
     if len(corpus.train) == 0 and len(corpus.val) == 0:
         raise ValueError(f"corpus {corpus.name!r} is empty (0 tokens); give it some text.")
     for split in ("train", "val"):
