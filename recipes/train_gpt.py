@@ -132,6 +132,8 @@ class TrainConfig:
     """Split the sequence over the mesh's 'context' axis (zigzag order) with ring or all-gather attention."""
     manual: bool = False
     """Manual path: data, tensor and (with 'sp' in --strategy) sequence parallelism under shard_map with explicit collectives."""
+    zero: Literal[0, 1, 2] = 0
+    """ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also reduce-scatters gradients); see docs/parallelism/parameter-server.md."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     cpu_devices: int | None = None
@@ -154,8 +156,10 @@ class TrainConfig:
     """Microbatches per step (gradient accumulation); must divide batch_size."""
     seed: int = 0
     """Seed of the initialisation and of every batch (a batch is a function of seed and step)."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Compute dtype: auto = fp32 on CPU, bf16 on GPU/TPU."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute dtype: auto = fp32 on CPU, bf16 on GPU/TPU; fp16 adds dynamic loss scaling (docs/numerics.md)."""
+    master_weights: bool = False
+    """Store the parameters in the compute dtype (bf16/fp16) with fp32 master weights in the optimizer state."""
     z_loss: float = 0.0
     """Weight of the z-loss (mean squared log-partition), 0 to disable."""
     out_dir: Path = Path("runs/nano")
@@ -181,16 +185,26 @@ class TrainConfig:
 def strategy_of(cfg: TrainConfig) -> Strategy:
     """The one object that says how this run is distributed (a single device without --mesh)."""
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
-                          virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual)
+                          virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual, zero=cfg.zero)
 
 
-def optimizer_of(cfg: TrainConfig):
-    """AdamW with warmup and cosine decay, as the --optim flags say; **returns** (optimizer, schedule)."""
-    o = cfg.optim
+def policy_of(cfg: TrainConfig) -> Policy:
+    """The mixed-precision policy of --precision and --master-weights."""
+    if cfg.precision == "auto" and not cfg.master_weights:
+        return Policy.default()
+    name = cfg.precision if cfg.precision != "auto" else ("fp32" if jax.default_backend() == "cpu" else "bf16")
+    return Policy.named(name, master_weights=cfg.master_weights)
+
+
+def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):
+    """AdamW with warmup and cosine decay, as the --optim flags say (with the policy's master
+    weights, if any); **returns** (optimizer, schedule)."""
+    o, policy = cfg.optim, policy or Policy()
     schedule = make_lr_schedule(o.lr, total_steps=cfg.steps, warmup_steps=min(o.warmup_steps, cfg.steps - 1),
                                 min_lr_ratio=o.min_lr_ratio)
-    return make_optimizer(schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
-                          decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases), schedule
+    return policy.optimizer(make_optimizer(
+        schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
+        decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases)), schedule
 
 
 def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> None:
@@ -278,19 +292,19 @@ def main(cfg: TrainConfig) -> dict:
     distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
     model_cfg, out = cfg.model.build(), Path(cfg.out_dir)
-    strategy = strategy_of(cfg)  # every flag error is raised here or in `check`, before any compile
-    make_model = lambda k: GPT(model_cfg, key=k)  # noqa: E731
+    strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
+    make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
                          min_tokens=model_cfg.seq_len + 1, vocab_size=model_cfg.vocab_size)
     write_run_config(cfg, model_cfg, out)
 
-    policy = Policy.default() if cfg.precision == "auto" else Policy.named(cfg.precision)
-    optimizer, schedule = optimizer_of(cfg)
+    optimizer, schedule = optimizer_of(cfg, policy)
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
     model = strategy.init_model(make_model, key_model)
-    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state)
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
+                       loss_scale=policy.loss_scale_state())
     checkpointer = make_checkpointer(cfg, model_cfg, out)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch), docs=corpus.train_docs)
