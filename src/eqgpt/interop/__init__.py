@@ -1,0 +1,36 @@
+"""Models in and out of eqgpt: Hugging Face GPT-2 and Llama checkpoints (safetensors).
+
+- `load_hf_gpt2(path) -> (GPTConfig, GPT)`, `load_hf_llama`, `load_hf` (either, by
+  `model_type`); `strategy=` loads straight onto a mesh, each device reading its slice.
+- `save_hf_gpt2(model, dir)`, `save_hf_llama`, `save_hf`: files `transformers` loads.
+- `python -m eqgpt.interop export --run runs/nano --to out/hf`: a training run's saved
+  model (or its latest Orbax checkpoint) and tokenizer as a Hugging Face directory;
+  `python -m eqgpt.interop import --from hf_dir --to runs/gpt2`: the reverse.
+
+See `docs/interop.md`.
+"""
+
+from eqgpt.interop.hf import (
+    SafetensorsFiles,
+    TensorMap,
+    check_files,
+    config_from_hf,
+    family_of,
+    gpt2_hf_config,
+    gpt2_layout,
+    hf_tensors,
+    llama_hf_config,
+    llama_layout,
+    load_hf,
+    load_hf_gpt2,
+    load_hf_llama,
+    save_hf,
+    save_hf_gpt2,
+    save_hf_llama,
+)
+
+__all__ = [
+    "load_hf", "load_hf_gpt2", "load_hf_llama", "save_hf", "save_hf_gpt2", "save_hf_llama", "config_from_hf",
+    "gpt2_hf_config", "llama_hf_config", "family_of", "hf_tensors", "check_files", "SafetensorsFiles",
+    "TensorMap", "gpt2_layout", "llama_layout",
+]
