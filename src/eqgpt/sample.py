@@ -1,19 +1,34 @@
-"""Text generation with a KV cache: one prefill, then a scanned decode loop.
+"""Text generation with a KV cache, on one device or a mesh: one prefill, then a decode loop.
 
 The prompt is run once through `GPT.decode` to fill the cache; each further token
 costs one decode step that attends to the cache. The whole generation is one
-compiled function (prefill + `jax.lax.scan`). Step `i` samples with
-`jax.random.fold_in(key, i)`, so the result does not depend on how it is computed.
+compiled function (prefill + `jax.lax.while_loop`, which ends early once every row
+has emitted a stop token). Step `i` samples with `jax.random.fold_in(key, i)`, so
+the result does not depend on how it is computed.
+
+**On a mesh** (`strategy=Strategy(make_mesh("data=2,tensor=4"), "dp+tp")`): the
+model is placed by the strategy's rules (heads, MLP and vocabulary over `tensor`),
+the prompt's rows go over `data`, and the KV cache `[layers, batch, len, kv_heads,
+head_dim]` is constrained by the same logical rules as the activations
+(`batch` -> `data`, `kv_heads` -> `tensor`): each device holds its rows' keys and
+values of its heads only. Greedy decoding equals the single-device result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from eqgpt.nn.attention import KVCache
 from eqgpt.nn.gpt import GPT
+
+CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
+"""Logical names of the KV cache's dimensions (the length is never split)."""
 
 
 def sample_logits(
@@ -22,19 +37,30 @@ def sample_logits(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
 ) -> Int[Array, " batch"]:
-    """Next tokens from `logits`: greedy if `temperature == 0`, else softmax sampling
-    at `temperature` restricted to the `top_k` most likely tokens (all if `None`)."""
+    """Next tokens from `logits`: greedy if `temperature == 0`, else softmax sampling at
+    `temperature` among the `top_k` most likely tokens (all if `None`) and, with `top_p`,
+    the smallest set of them whose probability reaches `top_p` (nucleus sampling)."""
     logits = logits.astype(jnp.float32)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    low = jnp.finfo(jnp.float32).min
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, jnp.finfo(jnp.float32).min, logits)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+        logits = jnp.where(logits < kth, low, logits)
+    logits = logits / temperature
+    if top_p is not None and top_p < 1.0:
+        ranked = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(ranked, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the most likely token is always kept
+        cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, low, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _check(model: GPT, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int | None):
+def _check(model: GPT, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int | None,
+           top_p: float | None):
     if prompt_len < 1:
         raise ValueError("the prompt needs at least one token.")
     if max_new_tokens < 1:
@@ -48,24 +74,66 @@ def _check(model: GPT, prompt_len: int, max_new_tokens: int, temperature: float,
         raise ValueError(f"temperature must be >= 0, got {temperature}.")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p}.")
+
+
+def constrain_cache(model: GPT, cache: KVCache) -> KVCache:
+    """The cache pinned to the layout its logical names (`CACHE_AXES`) have under the model's
+    rules: the model's own activation hook, so a placed model shards its cache and a
+    single-device model leaves it alone."""
+    return KVCache(model.shard(cache.k, CACHE_AXES), model.shard(cache.v, CACHE_AXES))
+
+
+def prefill(
+    model: GPT, prompt: Int[Array, "batch prompt"], max_len: int
+) -> tuple[Float[Array, "batch prompt vocab"], KVCache]:
+    """Run the prompt through the model into a fresh cache of `max_len` positions.
+
+    **Returns:** the prompt's logits and the filled cache, sharded as `constrain_cache` says.
+    Call it under `jax.jit` (as `generate` does) for the constraints to apply.
+    """
+    cache = constrain_cache(model, model.init_cache(prompt.shape[0], max_len))
+    logits, cache = model.decode(prompt, cache, 0)
+    return logits, constrain_cache(model, cache)
 
 
 @eqx.filter_jit
-def _generate(model, prompt, key, max_new_tokens, temperature, top_k):
+def _generate(model, prompt, key, max_new_tokens, temperature, top_k, top_p, stop_tokens):
     b, p = prompt.shape
-    cache = model.init_cache(b, p + max_new_tokens)
-    logits, cache = model.decode(prompt, cache, 0)
-    first = sample_logits(logits[:, -1], jax.random.fold_in(key, 0), temperature=temperature, top_k=top_k)
+    pad = stop_tokens[0] if stop_tokens else 0
+    stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
+    pick = lambda logits, i: sample_logits(logits[:, -1], jax.random.fold_in(key, i),  # noqa: E731
+                                           temperature=temperature, top_k=top_k, top_p=top_p)
+    logits, cache = prefill(model, prompt, p + max_new_tokens)
+    first = pick(logits, 0)
+    out = jnp.full((b, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, stops)
 
-    def step(carry, i):
-        token, cache = carry
+    def cond(carry):
+        i, _, _, _, done = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, token, cache, out, done = carry
         logits, cache = model.decode(token[:, None], cache, p + i - 1)
-        nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
-        return (nxt, cache), token
+        nxt = jnp.where(done, pad, pick(logits, i))
+        out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
+        return i + 1, nxt, constrain_cache(model, cache), out, done | jnp.isin(nxt, stops)
 
-    (last, _), tokens = jax.lax.scan(step, (first, cache), jnp.arange(1, max_new_tokens))
-    new = jnp.concatenate([tokens.T, last[:, None]], axis=1) if max_new_tokens > 1 else last[:, None]
-    return jnp.concatenate([prompt, new], axis=1)
+    _, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.asarray(1), first, cache, out, done))
+    return jnp.concatenate([prompt, out], axis=1)
+
+
+def _place(strategy, model: GPT, prompt: Array) -> tuple[GPT, Array]:
+    """The model in the strategy's layout and the prompt's rows over its batch axes."""
+    if strategy is None or strategy.mesh is None:
+        return model, prompt
+    from jax.sharding import NamedSharding
+
+    model = strategy.place_model(model)  # a no-op move for arrays already in place
+    spec = strategy.rules.spec(("batch", None), "activations", shape=tuple(prompt.shape), mesh=strategy.mesh)
+    return model, jax.device_put(prompt, NamedSharding(strategy.mesh, spec))
 
 
 def generate(
@@ -76,17 +144,34 @@ def generate(
     key: PRNGKeyArray,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    strategy=None,
 ) -> Int[Array, "batch total"]:
-    """Continue `prompt` by `max_new_tokens` tokens with the KV cache.
+    """Continue `prompt` by up to `max_new_tokens` tokens with the KV cache.
 
-    **Arguments:** a `GPT`, `prompt` token ids `[batch, prompt_len]`, the number of
-    new tokens, a `key`, `temperature` (0 = greedy) and `top_k`.
+    **Arguments:**
+
+    - `model`, `prompt` token ids `[batch, prompt_len]`, the number of new tokens, a `key`.
+    - `temperature` (0 = greedy), `top_k`, `top_p` (see `sample_logits`).
+    - `stop_tokens`: a row that emits one of these ids stops; its later positions hold
+      `stop_tokens[0]`, and decoding ends as soon as every row has stopped.
+    - `strategy`: an `eqgpt.parallel.Strategy` to run on its mesh (prefill and decode with
+      the strategy's tensor parallelism, rows over `data`); `None` runs where the model is.
 
     **Returns:** `[batch, prompt_len + max_new_tokens]`: the prompt and its continuation.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
-    _check(model, prompt.shape[1], max_new_tokens, temperature, top_k)
-    return _generate(model, prompt, key, max_new_tokens, float(temperature), top_k)
+    _check(model, prompt.shape[1], max_new_tokens, temperature, top_k, top_p)
+    model, prompt = _place(strategy, model, prompt)
+    return _generate(model, prompt, key, max_new_tokens, float(temperature), top_k,
+                     None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
+
+
+def _cut(text: str, start: int, stops: Sequence[str]) -> str:
+    """`text` up to the first stop string after `start` (the prompt), the stop string excluded."""
+    ends = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return text[: min(ends)] if ends else text
 
 
 def generate_text(
@@ -99,8 +184,30 @@ def generate_text(
     num_samples: int = 1,
     temperature: float = 0.8,
     top_k: int | None = 40,
+    top_p: float | None = None,
+    stop: Sequence[str | int] = (),
+    strategy=None,
 ) -> list[str]:
-    """`num_samples` continuations of the text `prompt` (prompt included), decoded."""
-    ids = jnp.tile(jnp.asarray(tokenizer.encode(prompt), jnp.int32)[None], (num_samples, 1))
-    out = generate(model, ids, max_new_tokens, key=key, temperature=temperature, top_k=top_k)
-    return [tokenizer.decode(row) for row in jax.device_get(out)]
+    """`num_samples` continuations of the text `prompt` (prompt included), decoded.
+
+    `stop` holds token ids and strings: generation stops at a token id (and at the
+    tokenizer's end-of-text token, if it has one); the text is cut before the first
+    stop string that follows the prompt (strings that are one token also end decoding early).
+    """
+    ids = np.asarray(tokenizer.encode(prompt), np.int32)
+    strings = [s for s in stop if isinstance(s, str)]
+    tokens = [int(s) for s in stop if not isinstance(s, str)]
+    tokens += [int(t[0]) for s in strings if len(t := tokenizer.encode(s)) == 1]
+    eos = getattr(tokenizer, "eos_id", None)
+    tokens += [eos] if eos is not None else []
+    out = generate(model, jnp.tile(jnp.asarray(ids)[None], (num_samples, 1)), max_new_tokens, key=key,
+                   temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=tuple(dict.fromkeys(tokens)),
+                   strategy=strategy)
+    texts = []
+    for row in np.asarray(jax.device_get(out)):
+        new = row[len(ids):]
+        hits = np.flatnonzero(np.isin(new, tokens)) if tokens else []
+        new = new[: hits[0]] if len(hits) else new
+        text = tokenizer.decode(np.concatenate([ids, new]))
+        texts.append(_cut(text, len(tokenizer.decode(ids)), strings))
+    return texts
