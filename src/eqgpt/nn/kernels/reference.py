@@ -34,17 +34,24 @@ def reference_attention(
     """Softmax attention computed densely, with the softmax in fp32.
 
     Rows with no allowed key (possible only with unusual masks) return zeros.
+
+    The mask enters as an additive fp32 bias (`0` allowed, a large finite negative
+    value not) of shape `[t, s]` (or `[b, t, s]`), and fully masked rows are zeroed
+    on the `[b, t, h]` output. Neither needs the mask at the full `[b, g, r, t, s]`
+    shape in the backward pass: a `jnp.where` there would make the layer scan save
+    (and XLA:CPU read back) broadcast masks as large as the scores themselves.
+    For any row with an allowed key the result equals the `where` form exactly.
     """
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
     qg = group_queries(q, k.shape[2])
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores.astype(jnp.float32) * scale
     allowed = mask(q_pos, k_pos, q_seg, k_seg)  # [t, s] or [b, t, s]
-    allowed = allowed[:, None, None] if allowed.ndim == 3 else allowed[None, None, None]
-    big_neg = jnp.finfo(jnp.float32).min
-    scores = jnp.where(allowed, scores, big_neg)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(allowed, probs, 0.0)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(v.dtype), v)
-    return out.reshape(b, t, h, d)
+    # Half of float32's lowest: adding it to any score stays finite (no -inf, no NaN).
+    bias = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min / 2).astype(jnp.float32)
+    bias = bias[:, None, None] if bias.ndim == 3 else bias
+    probs = jax.nn.softmax(scores.astype(jnp.float32) * scale + bias, axis=-1)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(v.dtype), v).reshape(b, t, h, d)
+    any_key = jnp.any(allowed, axis=-1)  # [t] or [b, t]
+    any_key = any_key[:, :, None, None] if any_key.ndim == 2 else any_key[None, :, None, None]
+    return jnp.where(any_key, out, jnp.zeros((), out.dtype))
