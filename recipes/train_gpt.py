@@ -23,7 +23,7 @@ import tyro
 
 import eqgpt
 from eqgpt import distributed
-from eqgpt.data import ByteTokenizer, eval_windows, load_corpus
+from eqgpt.data import bytes_per_token, eval_windows, load_corpus
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, peak_flops
@@ -61,6 +61,8 @@ class DataConfig:
     """Grain background threads building batches (0: load in the training thread)."""
     prefetch: int = 4
     """Batches built ahead of the step."""
+    tokenizer: str = "bytes"
+    """'bytes' (default), 'bpe:N' (byte-level BPE of N tokens trained on the training split, cached with the tokens), a tokenizer.json, or a GPT-2 vocab.json (merges.txt beside it). A non-byte tokenizer sets the model's vocab_size."""
 
 
 @dataclass
@@ -247,9 +249,8 @@ def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: T
     return state
 
 
-def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig) -> list[str]:
+def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> list[str]:
     """Generate from --sample-prompts with the trained model (KV cache, one device's view)."""
-    tok = ByteTokenizer()
     n_new = min(cfg.sample_tokens, model_cfg.seq_len - max((len(tok.encode(p)) for p in cfg.sample_prompts), default=0))
     if n_new < 1:
         return []
@@ -257,7 +258,7 @@ def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig) -> l
             for i, p in enumerate(cfg.sample_prompts)]
 
 
-def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus_name: str, model_cfg, t0: float) -> dict:
+def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float) -> dict:
     """Save the model, plot, sample and summarise; **returns** the summary."""
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
@@ -269,17 +270,21 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus_name: str
                   f"(exit status {PREEMPTED_EXIT_CODE})", flush=True)
         return summary
     save_model(out, state.model)
-    samples = sample(cfg, state, model_cfg)
+    if is_main:
+        corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
+    samples = sample(cfg, state, model_cfg, corpus.tokenizer)
     trainer.log_samples(summary["steps"], samples)
     _, vals = trainer.history.series("val_loss")
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
                    seconds=time.perf_counter() - t0, samples=samples)
     if is_main:
-        plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus_name}")
+        plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
         (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
         print("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)), end="")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        val = f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} nats/byte " if vals else ""
+        _, bpb = trainer.history.series("val_bpb")
+        val = f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} nats/token " if vals else ""
+        val += f"({bpb[0]:.3f} -> {bpb[-1]:.3f} bits/byte) " if bpb else ""
         print(f"done: {val}in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
     return summary
 
@@ -293,11 +298,13 @@ def main(cfg: TrainConfig) -> dict:
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
     model_cfg, out = cfg.model.build(), Path(cfg.out_dir)
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
+    corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
+                         min_tokens=model_cfg.seq_len + 1, vocab_size=model_cfg.vocab_size,
+                         tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
+    model_cfg = model_cfg if cfg.data.tokenizer == "bytes" else model_cfg.replace(vocab_size=corpus.vocab_size)
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
-    corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
-                         min_tokens=model_cfg.seq_len + 1, vocab_size=model_cfg.vocab_size)
     write_run_config(cfg, model_cfg, out)
 
     optimizer, schedule = optimizer_of(cfg, policy)
@@ -323,15 +330,15 @@ def main(cfg: TrainConfig) -> dict:
         f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len} | corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
         f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
+    val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows) if cfg.eval_windows else None
     trainer = Trainer(
-        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
-        val_windows=eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
-        if cfg.eval_windows else None,
+        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer, val_windows=val,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
-                             progress=cfg.progress, log=cfg.log),
+                             progress=cfg.progress, log=cfg.log,
+                             bytes_per_token=None if val is None else bytes_per_token(corpus.tokenizer, val[:, 1:])),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )
-    return finish(cfg, trainer, trainer.run(), out, corpus.name, model_cfg, t0)
+    return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
 
 
 if __name__ == "__main__":

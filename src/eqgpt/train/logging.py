@@ -49,7 +49,10 @@ class TensorBoardWriter:
 
         tags = {TAGS.get(k, f"train/{k}"): float(v) for k, v in values.items()
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if "val_loss" in values:
+        tags.pop("train/val_bpb", None)
+        if "val_bpb" in values:
+            tags["val/bits_per_byte"] = float(values["val_bpb"])
+        elif "val_loss" in values:
             tags["val/bits_per_byte"] = float(values["val_loss"]) / math.log(2) / self.bytes_per_token
         self._event(step, Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in tags.items()]))
         self._writer.flush()

@@ -9,6 +9,7 @@ been dispatched), so the host never stalls the device.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class TrainerConfig:
     out_dir: Path | None = None
     progress: bool = True
     log: str = "jsonl"
+    bytes_per_token: float | None = None  # mean UTF-8 bytes per validation target: logs val_bpb (bits/byte)
 
 
 @dataclass
@@ -192,6 +194,8 @@ class Trainer:
             Path(config.out_dir).mkdir(parents=True, exist_ok=True)
             self._metrics_file = Path(config.out_dir) / "metrics.jsonl"
         self.writer = make_writer(config.log, config.out_dir, is_main=self.is_main)  # TensorBoard or None
+        if self.writer is not None and config.bytes_per_token:
+            self.writer.bytes_per_token = config.bytes_per_token
 
     def validate(self, model: PyTree) -> float | None:
         """Mean loss over the validation windows (nats/token), or `None` without them."""
@@ -227,7 +231,7 @@ class Trainer:
             with StopSignal() as flag:
                 val = self.validate(self.state.model)
                 if val is not None:
-                    self._log({"step": start, "val_loss": val, "time": 0.0})
+                    self._log({"step": start, "val_loss": val, **self._bpb(val), "time": 0.0})
                     bar.print(f"step {start}: val loss {val:.3f}")
                 step, stop = start, False
                 while step < cfg.steps and not stop:
@@ -270,8 +274,13 @@ class Trainer:
     def _eval_row(self, step: int, bar: _Progress, t_begin: float):
         val = self.validate(self.state.model)
         if val is not None:
-            self._log({"step": step, "val_loss": val, "time": time.perf_counter() - t_begin})
+            self._log({"step": step, "val_loss": val, **self._bpb(val), "time": time.perf_counter() - t_begin})
             bar.print(f"step {step}: val loss {val:.3f}")
+
+    def _bpb(self, val: float) -> dict[str, float]:
+        """`{"val_bpb": bits per byte}` (nats/token / ln 2 / bytes per token), when bytes per token is known."""
+        bpt = self.config.bytes_per_token
+        return {"val_bpb": val / math.log(2) / bpt} if bpt else {}
 
     def _report(self, pending, mark_step, mark_time, tokens_per_step, bar, t_begin):
         step, metrics = pending
@@ -310,6 +319,12 @@ def plot_history(history: History, path: str | Path, *, title: str = "") -> Path
             ax.plot(xs, ys, style, label={"loss": "train", "val_loss": "validation"}[key], ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
+    xs, bpb = history.series("val_bpb")
+    if xs:  # bits per byte: comparable across tokenizers
+        ax2 = ax.twinx()
+        ax2.plot(xs, bpb, "s--", color="tab:green", ms=3, label="validation bits/byte")
+        ax2.set_ylabel("validation bits/byte")
+        ax2.legend(loc="upper center")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
