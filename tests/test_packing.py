@@ -111,32 +111,25 @@ def test_packed_document_equals_document_alone(position, kernel):
 
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
 def test_packed_document_equals_alone_under_context_parallelism(impl):
-    """Ring / all-gather attention on context=4: segment ids keep documents apart across shards.
-
-    A RoPE model: attention scores depend on position differences only, which agree
-    within a document, so the layout positions the context path gives the model
-    serve as well as the per-row ones (learned position tables need the per-row
-    positions, which the context loss does not take yet).
-    """
+    """Ring / all-gather attention on context=4: segment ids keep documents apart across shards,
+    and the per-row positions travel through the zigzag layout with the tokens."""
     from eqgpt import parallel as par
-    from eqgpt.parallel.context import (
-        context_grad_fn, context_rules, strip_context_attention, use_context_attention)
+    from eqgpt.parallel import Strategy
+    from eqgpt.parallel.context import ContextConfig
 
     packed, a, b = two_documents()
-    mesh = par.make_mesh("context=4,data=2")
-    placement = par.ShardedPlacement(mesh, context_rules("dp"))
+    strategy = Strategy(par.make_mesh("context=4,data=2"), "dp", context=ContextConfig(impl, block=4))
     single = make_model("rope")
-    model = placement.place_model(use_context_attention(single, mesh, impl, block_q=4, block_k=4))
-    grad_cp = eqx.filter_jit(context_grad_fn(mesh, ordering="zigzag"))
+    model = strategy.place_model(single)
+    grad_cp = eqx.filter_jit(strategy.grad_fn())
     grad_one = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, bt: lm_batch_loss(m, bt)[0]))
     for doc in (a, b):
         alone, only = doc_alone(packed, doc)
-        lm = {k: jnp.asarray(np.repeat(np.asarray(getattr(only, k)), 2, axis=0))  # data=2: two rows
-              for k in ("tokens", "targets", "loss_mask", "segment_ids")}
-        (l_cp, _), g_cp = grad_cp(model, lm)
+        rows = jax.tree.map(lambda x: np.repeat(np.asarray(x), 2, axis=0), only)  # data=2: two rows
+        (l_cp, _), g_cp = grad_cp(model, strategy.batch(rows))
         l_one, g_one = grad_one(single, alone)
         np.testing.assert_allclose(l_cp, l_one, rtol=1e-5)
-        cp_leaves = jax.tree.leaves(eqx.filter(strip_context_attention(g_cp), eqx.is_array))
+        cp_leaves = jax.tree.leaves(eqx.filter(g_cp, eqx.is_array))
         one_leaves = jax.tree.leaves(eqx.filter(g_one, eqx.is_array))
         assert len(cp_leaves) == len(one_leaves)
         for x, y in zip(cp_leaves, one_leaves, strict=True):

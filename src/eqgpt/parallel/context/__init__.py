@@ -2,9 +2,11 @@
 
 - `layout`: zigzag / contiguous orderings of the sequence, applied once to a batch.
 - `ring`, `allgather`: exact attention inside `shard_map` (k/v rotate, or are gathered).
-- `kernel`: `ContextKernel`, either one behind the ordinary kernel signature.
-- `model`: `use_context_attention` installs it into a GPT's attention modules.
-- `loss`: rules, the sequence-sharded loss and the trainer's `grad_fn`.
+- `kernel`: `ContextKernel`, either one behind the ordinary kernel signature, and
+  `ContextConfig`, context parallelism as a `Strategy` ingredient.
+- `model`: `use_context_attention` swaps it in as the attention modules' kernel
+  (the parameter tree does not change).
+- `loss`: rules and the sequence-sharded loss of a `Batch`.
 - `balance`: attention tiles and ring steps computed per device.
 
 See `docs/parallelism/context.md`.
@@ -12,7 +14,7 @@ See `docs/parallelism/context.md`.
 
 from eqgpt.parallel.context.allgather import allgather_attention
 from eqgpt.parallel.context.balance import balance_table, block_counts, step_counts
-from eqgpt.parallel.context.kernel import IMPLS, ContextKernel
+from eqgpt.parallel.context.kernel import IMPLS, ContextConfig, ContextKernel
 from eqgpt.parallel.context.layout import (
     ORDERINGS,
     check_layout,
@@ -24,14 +26,11 @@ from eqgpt.parallel.context.layout import (
 )
 from eqgpt.parallel.context.loss import (
     CP,
-    as_lm_batch,
-    context_grad_fn,
     context_loss_fn,
     context_rules,
     sharded_cross_entropy,
 )
 from eqgpt.parallel.context.model import (
-    ContextAttention,
     context_kernels,
     strip_context_attention,
     use_context_attention,
@@ -39,10 +38,10 @@ from eqgpt.parallel.context.model import (
 from eqgpt.parallel.context.ring import ring_attention, ring_attention_with_lse, shard_may_attend
 
 __all__ = [
-    "ContextKernel", "IMPLS", "ContextAttention", "use_context_attention", "strip_context_attention",
+    "ContextKernel", "ContextConfig", "IMPLS", "use_context_attention", "strip_context_attention",
     "context_kernels", "ring_attention", "ring_attention_with_lse", "shard_may_attend",
     "allgather_attention", "ORDERINGS", "check_layout", "layout_positions", "device_positions",
-    "to_layout", "from_layout", "layout_batch", "CP", "context_rules", "as_lm_batch",
-    "sharded_cross_entropy", "context_loss_fn", "context_grad_fn", "block_counts", "step_counts",
+    "to_layout", "from_layout", "layout_batch", "CP", "context_rules",
+    "sharded_cross_entropy", "context_loss_fn", "block_counts", "step_counts",
     "balance_table",
 ]

@@ -13,6 +13,8 @@ with context parallelism without any code here knowing about them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -30,6 +32,30 @@ Impl = Literal["ring", "allgather"]
 IMPLS: tuple[str, ...] = ("ring", "allgather")
 
 
+@dataclass(frozen=True)
+class ContextConfig:
+    """Context parallelism as a `Strategy` ingredient.
+
+    **Fields:** `impl` ("ring" or "allgather"), `ordering` of the sequence over the
+    devices ("zigzag" balances causal work; "contiguous"), `block` (tile size of the
+    blockwise kernel on each device; smaller when a device holds fewer tokens),
+    `axis` (the mesh axis the sequence is split over).
+    """
+
+    impl: Impl = "ring"
+    ordering: Literal["zigzag", "contiguous"] = "zigzag"
+    block: int = 128
+    axis: str = "context"
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown context attention {self.impl!r}; choose one of {IMPLS}.")
+        if self.ordering not in ("zigzag", "contiguous"):
+            raise ValueError(f"unknown context ordering {self.ordering!r}; choose 'zigzag' or 'contiguous'.")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}.")
+
+
 class ContextKernel(eqx.Module):
     """Sequence-sharded exact attention over the `axis` of `mesh`.
 
@@ -43,6 +69,9 @@ class ContextKernel(eqx.Module):
     - `q_chunks`: ring only: query chunks per shard and ring step (see `ring_attention`);
       `None` picks the largest of 4, 2, 1 that divides the shard into chunks of at
       least `block_q` rows.
+    - `replaces`: the kernel it stands in for (restored by `strip_context_attention`).
+
+    Tiles never exceed half a device's shard (one zigzag chunk).
     """
 
     mesh: Mesh = eqx.field(static=True)
@@ -51,9 +80,11 @@ class ContextKernel(eqx.Module):
     block_q: int = eqx.field(static=True)
     block_k: int = eqx.field(static=True)
     q_chunks: int | None = eqx.field(static=True)
+    replaces: str | Callable = eqx.field(static=True)
 
     def __init__(self, mesh: Mesh, impl: Impl = "ring", *, axis: str = "context",
-                 block_q: int = 128, block_k: int = 128, q_chunks: int | None = None):
+                 block_q: int = 128, block_k: int = 128, q_chunks: int | None = None,
+                 replaces: str | Callable = "reference"):
         if impl not in IMPLS:
             raise ValueError(f"unknown context attention {impl!r}; choose one of {IMPLS}.")
         if axis not in mesh.shape:
@@ -64,19 +95,21 @@ class ContextKernel(eqx.Module):
         if q_chunks is not None and q_chunks < 1:
             raise ValueError(f"q_chunks must be >= 1 (or None: automatic), got {q_chunks}.")
         self.block_q, self.block_k, self.q_chunks = block_q, block_k, q_chunks
+        self.replaces = replaces
 
     @property
     def size(self) -> int:
         """Devices on the context axis."""
         return self.mesh.shape[self.axis]
 
-    def chunks_for(self, shard: int) -> int:
+    def chunks_for(self, shard: int, block_q: int | None = None) -> int:
         """The query chunks per ring step for a local shard of `shard` tokens."""
         if self.q_chunks is not None:
             if shard % self.q_chunks:
                 raise ValueError(f"q_chunks={self.q_chunks} must divide the local shard of {shard} tokens.")
             return self.q_chunks
-        return next(c for c in (4, 2, 1) if shard % c == 0 and (shard // c >= self.block_q or c == 1))
+        block_q = self.block_q if block_q is None else block_q
+        return next(c for c in (4, 2, 1) if shard % c == 0 and (shard // c >= block_q or c == 1))
 
     def __call__(
         self,
@@ -109,9 +142,11 @@ class ContextKernel(eqx.Module):
             )
         if (q_seg is None) != (k_seg is None):
             raise ValueError("Pass both q_seg and k_seg, or neither.")
-        kw = dict(mask=mask, scale=scale, axis=self.axis, block_q=self.block_q, block_k=self.block_k)
+        half_shard = max(1, t // (2 * n))
+        kw = dict(mask=mask, scale=scale, axis=self.axis, block_q=min(self.block_q, half_shard),
+                  block_k=min(self.block_k, half_shard))
         if self.impl == "ring":
-            fn = partial(ring_attention, q_chunks=self.chunks_for(t // n))
+            fn = partial(ring_attention, q_chunks=self.chunks_for(t // n, kw["block_q"]))
         else:
             fn = allgather_attention
         seq, tok = P(None, self.axis), P(self.axis)
@@ -128,4 +163,4 @@ class ContextKernel(eqx.Module):
         return mapped(*args)
 
 
-__all__ = ["ContextKernel", "IMPLS", "Impl"]
+__all__ = ["ContextKernel", "ContextConfig", "IMPLS", "Impl"]

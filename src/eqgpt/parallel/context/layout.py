@@ -82,7 +82,7 @@ def from_layout(
     return jnp.take(jnp.asarray(x), jnp.asarray(np.argsort(perm)), axis=axis)
 
 
-BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids")
+BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "doc_positions")
 
 
 def layout_batch(

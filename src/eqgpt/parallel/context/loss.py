@@ -9,7 +9,8 @@ gradient is then a sum over tokens that lie on the `data`, `fsdp` and `context`
 devices alike, and the partitioner reduces it over those axes together.
 
 The batch is put into the layout (`zigzag` or `contiguous`) once per step,
-before the embedding: tokens, targets, loss mask and segment ids are reordered,
+before the embedding: tokens, targets, loss mask, segment ids and per-row
+document positions are reordered,
 and the global positions of the layout go to the model (`GPT.features(...,
 positions=...)`), so RoPE, learned position embeddings and the masks see every
 token at its true position.
@@ -17,21 +18,21 @@ token at its true position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
+from einops import rearrange
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PyTree
 
+from eqgpt.data.batch import Batch
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.loss import chunked_cross_entropy
 from eqgpt.parallel.context.layout import Ordering, check_layout, layout_batch
 from eqgpt.parallel.context.model import context_kernels
-from eqgpt.parallel.rules import Rules, strategy
+from eqgpt.parallel.rules import Rules, preset_rules
 
 CP = Rules(activations={"seq": "context", "inner_seq": "context"}, name="cp")
 
@@ -45,7 +46,7 @@ def context_rules(base: str | Rules = "dp", *, axis: str = "context") -> Rules:
     **Returns:** the merged `Rules`. Raises `ValueError` if `base` already splits
     the sequence (sequence parallelism `sp` does, over `tensor`): use `tp` instead.
     """
-    rules = strategy(base)
+    rules = preset_rules(base)
     taken = [a for name in ("seq", "inner_seq") for a in rules.axes(name, "activations") if a != axis]
     if taken:
         raise ValueError(
@@ -56,27 +57,13 @@ def context_rules(base: str | Rules = "dp", *, axis: str = "context") -> Rules:
     return rules.merge(cp).update(name=f"{rules.name}+cp")
 
 
-def as_lm_batch(batch: Mapping[str, Array] | Array) -> dict[str, Array]:
-    """A `[batch, seq + 1]` token array (the trainer's batches) or a mapping, as a mapping.
-
-    **Returns:** `{"tokens", "targets", ...}`; a mapping passes through (copied).
-    """
-    if isinstance(batch, Mapping):
-        return dict(batch)
-    if batch.ndim != 2 or batch.shape[1] < 2:
-        raise ValueError(f"a token batch is [batch, seq + 1]; got shape {batch.shape}.")
-    return {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
-
-
 def _head(model) -> Any:
     return model.tok_embed if model.head is None else model.head
 
 
 def _fold(x: Array, size: int) -> Array:
     """`[b, T, ...]` -> `[size * b, T / size, ...]`, shard-major: device `i`'s positions become rows."""
-    b, t = x.shape[:2]
-    x = x.reshape(b, size, t // size, *x.shape[2:])
-    return jnp.swapaxes(x, 0, 1).reshape(size * b, t // size, *x.shape[3:])
+    return rearrange(x, "b (n t) ... -> (n b) t ...", n=size)
 
 
 def sharded_cross_entropy(
@@ -122,7 +109,7 @@ def context_loss_fn(
     axis: str = "context",
     chunk_size: int = 128,
     z_loss: float = 0.0,
-) -> Callable[[PyTree, Any], tuple[Array, dict]]:
+) -> Callable[[PyTree, Batch], tuple[Array, dict]]:
     """`loss_fn(model, batch) -> (loss, aux)` of a GPT with context attention installed.
 
     **Arguments:**
@@ -131,23 +118,26 @@ def context_loss_fn(
     - `ordering`: `"zigzag"` (balanced under causal masks) or `"contiguous"`.
     - `chunk_size`, `z_loss`: as `eqgpt.nn.chunked_cross_entropy`.
 
-    **Returns:** the loss function. `batch` is a `[batch, seq + 1]` token array or
-    a mapping with `tokens`, `targets` (optional `loss_mask`, `segment_ids`), in
-    natural order; it is put into the layout here, once. Raises `ValueError` when the
-    sequence does not fit the layout or the model has no context attention.
+    **Returns:** the loss function of a `Batch` in natural order; it is put into the
+    layout here, once (per-row document positions too). Raises `ValueError` when
+    the sequence does not fit the layout or the model has no context attention.
+    A strategy differentiates it with `Policy.value_and_grad`.
     """
     size = mesh.shape[axis]
 
-    def loss_fn(model, batch):
-        lm = as_lm_batch(batch)
-        check_layout(lm["tokens"].shape[1], size, ordering)
+    def loss_fn(model, batch: Batch):
+        check_layout(batch.tokens.shape[1], size, ordering)
         if size > 1 and not context_kernels(model):
             raise ValueError(
                 "the model has no context attention; install it with "
                 "eqgpt.parallel.context.use_context_attention(model, mesh, 'ring' | 'allgather')."
             )
-        lm = layout_batch(lm, size, ordering)
-        hidden = model.features(lm["tokens"], positions=lm["positions"], segment_ids=lm.get("segment_ids"))
+        fields = {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
+                  "segment_ids": batch.segment_ids, "doc_positions": batch.positions}
+        lm = layout_batch(fields, size, ordering)
+        extra = {} if batch.positions is None else {"doc_positions": lm["doc_positions"]}
+        hidden = model.features(lm["tokens"], positions=lm["positions"], segment_ids=lm.get("segment_ids"),
+                                **extra)
         return sharded_cross_entropy(
             _head(model), hidden, lm["targets"], mesh=mesh, loss_mask=lm.get("loss_mask"),
             axis=axis, chunk_size=chunk_size, z_loss=z_loss,
@@ -156,36 +146,4 @@ def context_loss_fn(
     return loss_fn
 
 
-def context_grad_fn(
-    mesh: Mesh,
-    *,
-    ordering: Ordering = "zigzag",
-    axis: str = "context",
-    chunk_size: int = 128,
-    z_loss: float = 0.0,
-    policy: Any = None,
-) -> Callable:
-    """`grad_fn(model, batch) -> ((loss, aux), grads)` for `eqgpt.train.make_train_step`.
-
-    **Arguments:** as `context_loss_fn`, plus `policy`, an `eqgpt.train.Policy` whose
-    `cast_to_compute` is applied to the model inside the differentiated function
-    (`None`: compute in the parameter dtype).
-
-    **Returns:** the gradient function; loss and aux in fp32, gradients in the
-    parameter dtype, already summed over `data`, `fsdp` and `context`.
-    """
-    loss_fn = context_loss_fn(mesh, ordering=ordering, axis=axis, chunk_size=chunk_size, z_loss=z_loss)
-
-    def loss_of(model, batch):
-        if policy is not None:
-            model = policy.cast_to_compute(model)
-        loss, aux = loss_fn(model, batch)
-        return loss.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), aux)
-
-    def grad_fn(model, batch):
-        return eqx.filter_value_and_grad(loss_of, has_aux=True)(model, batch)
-
-    return grad_fn
-
-
-__all__ = ["CP", "context_rules", "as_lm_batch", "sharded_cross_entropy", "context_loss_fn", "context_grad_fn"]
+__all__ = ["CP", "context_rules", "sharded_cross_entropy", "context_loss_fn"]

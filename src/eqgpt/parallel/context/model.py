@@ -1,112 +1,82 @@
-"""Install ring or all-gather attention into a model, without editing `eqgpt.nn`.
+"""Install ring or all-gather attention into a model by swapping its attention *kernel*.
 
-`use_context_attention(model, mesh, "ring")` replaces every `eqgpt.nn.Attention`
-of a model (for a `GPT`: the stacked `blocks.attn`) by a `ContextAttention` that
-keeps the original module, and with it the weights, the projections, RoPE, the
-mask and the `checkpoint_name` tags, and swaps only the softmax for a
-`ContextKernel`. `strip_context_attention` undoes it, so parameters can be
-compared with (or saved for) the single-device model.
+`use_context_attention(model, mesh, "ring")` gives every `eqgpt.nn.Attention` of a
+model (for a `GPT`: the stacked `blocks.attn`) a `ContextKernel` through
+`Attention.with_kernel`. Nothing else changes: the weights, projections, RoPE,
+masks and `checkpoint_name` tags stay the module's own, and since a
+`ContextKernel` holds no arrays the parameter tree is exactly the plain model's,
+so checkpoints move freely between context-parallel and other runs.
+`strip_context_attention` puts the replaced kernels back.
 """
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import PyTree
 
-from eqgpt.nn.attention import Attention, KVCache
-from eqgpt.parallel.context.kernel import ContextKernel, Impl
-
-
-class ContextAttention(eqx.Module):
-    """An `Attention` whose kernel runs sequence-sharded over the context axis.
-
-    **Fields:** `attn`, the wrapped `eqgpt.nn.Attention` (weights live there);
-    `kernel`, the `ContextKernel`.
-    """
-
-    attn: Attention
-    kernel: ContextKernel
-
-    def __call__(
-        self,
-        x: Float[Array, "batch seq embed"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, "batch seq"] | None = None,
-    ) -> Float[Array, "batch seq embed"]:
-        """As `Attention.__call__`; `positions` are the global positions of the layout.
-
-        **Arguments:** `x`, `positions` (default `0..seq-1`, i.e. contiguous order),
-        `segment_ids`.
-
-        **Returns:** the attention output, shaped like `x`.
-        """
-        positions = jnp.arange(x.shape[1]) if positions is None else positions
-        q, k, v = self.attn.project(x, positions)
-        o = self.kernel(q, k, v, mask=self.attn.mask, q_pos=positions, k_pos=positions,
-                        q_seg=segment_ids, k_seg=segment_ids)
-        return self.attn.output(o)
-
-    def decode(
-        self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]
-    ) -> tuple[Float[Array, "batch new embed"], KVCache]:
-        """Decoding is not sequence-sharded: the wrapped module's KV-cache step."""
-        return self.attn.decode(x, cache, index)
+from eqgpt.nn.attention import Attention
+from eqgpt.parallel.context.kernel import ContextConfig, ContextKernel
 
 
 def _is_attention(x) -> bool:
-    return isinstance(x, Attention | ContextAttention)
+    return isinstance(x, Attention)
 
 
 def use_context_attention(
     model: PyTree,
     mesh: Mesh,
-    impl: Impl = "ring",
+    config: ContextConfig | str = "ring",
     *,
-    axis: str = "context",
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> PyTree:
-    """Replace every attention module of `model` by a `ContextAttention`.
+    """The model with every `Attention`'s kernel replaced by a `ContextKernel`.
 
     **Arguments:**
 
-    - `model`: a `GPT` or any pytree holding `eqgpt.nn.Attention` modules (already
-      wrapped ones get the new kernel).
-    - `mesh`, `impl`, `axis`, `block_q`, `block_k`: as `ContextKernel`.
+    - `model`: a `GPT` or any pytree holding `eqgpt.nn.Attention` modules (ones
+      that already have a context kernel get the new one).
+    - `mesh`: the mesh whose `config.axis` splits the sequence.
+    - `config`: a `ContextConfig`, or just the implementation ("ring", "allgather").
+    - `block_q`, `block_k`: tile sizes on each device (default `config.block`).
 
-    **Returns:** the model with context attention; its arrays are the same objects.
+    **Returns:** the model; its arrays are the same objects.
     """
-    kernel = ContextKernel(mesh, impl, axis=axis, block_q=block_q, block_k=block_k)
+    config = ContextConfig(impl=config) if isinstance(config, str) else config
     found = []
 
-    def swap(x):
-        if isinstance(x, ContextAttention):
-            x = x.attn
-        if isinstance(x, Attention):
-            found.append(x)
-            return ContextAttention(x, kernel)
-        return x
+    def swap(attn):
+        if not isinstance(attn, Attention):
+            return attn
+        found.append(attn)
+        base = attn.kernel.replaces if isinstance(attn.kernel, ContextKernel) else attn.kernel
+        kernel = ContextKernel(mesh, config.impl, axis=config.axis, block_q=block_q or config.block,
+                               block_k=block_k or config.block, replaces=base)
+        return attn.with_kernel(kernel)
 
     out = jax.tree.map(swap, model, is_leaf=_is_attention)
     if not found:
-        raise ValueError("use_context_attention found no eqgpt.nn.Attention module in the model.")
+        raise ValueError("use_context_attention found no eqgpt.nn.Attention module in the model; context "
+                         "parallelism swaps the kernel of Attention modules (see docs/extending.md).")
     return out
 
 
 def strip_context_attention(model: PyTree) -> PyTree:
-    """The model with every `ContextAttention` replaced by the `Attention` it wraps."""
-    return jax.tree.map(lambda x: x.attn if isinstance(x, ContextAttention) else x, model,
-                        is_leaf=_is_attention)
+    """The model with every `ContextKernel` replaced by the kernel it stood in for."""
+
+    def restore(attn):
+        if isinstance(attn, Attention) and isinstance(attn.kernel, ContextKernel):
+            return attn.with_kernel(attn.kernel.replaces)
+        return attn
+
+    return jax.tree.map(restore, model, is_leaf=_is_attention)
 
 
 def context_kernels(model: PyTree) -> list[ContextKernel]:
     """The `ContextKernel`s installed in `model` (empty if none)."""
     leaves = jax.tree.leaves(model, is_leaf=_is_attention)
-    return [x.kernel for x in leaves if isinstance(x, ContextAttention)]
+    return [x.kernel for x in leaves if isinstance(x, Attention) and isinstance(x.kernel, ContextKernel)]
 
 
-__all__ = ["ContextAttention", "use_context_attention", "strip_context_attention", "context_kernels"]
+__all__ = ["use_context_attention", "strip_context_attention", "context_kernels"]
