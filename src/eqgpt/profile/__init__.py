@@ -19,6 +19,7 @@ from eqgpt.profile.collectives import (
     collectives,
     total_bytes,
 )
+from eqgpt.profile.estimate import Estimate, estimate
 from eqgpt.profile.memory import MemoryReport, memory, memory_table
 
 
@@ -41,5 +42,5 @@ def report(compiled: Any, *, mesh: Any = None, by_phase: bool = True, title: str
 
 __all__ = [
     "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary",
-    "collective_table", "total_bytes", "MemoryReport", "memory", "memory_table", "report",
+    "collective_table", "total_bytes", "Estimate", "estimate", "MemoryReport", "memory", "memory_table", "report",
 ]
