@@ -43,8 +43,14 @@ def chunked_loss_sums(
     `chunk_size` as `chunked_cross_entropy`; `cross_entropy(logits, targets) ->
     (nll, lse)` per position (dense by default; vocabulary-parallel under manual TP).
 
-    **Returns:** `(nll_sum, z_sum, count)`.
+    **Returns:** `(nll_sum, z_sum, count)`. Its ops carry the named scope `loss`
+    (`jax.named_scope`), which traces and `eqgpt.profile.trace.op_table` show.
     """
+    with jax.named_scope("loss"):
+        return _chunked_loss_sums(logits_fn, hidden, targets, loss_mask, chunk_size, cross_entropy)
+
+
+def _chunked_loss_sums(logits_fn, hidden, targets, loss_mask, chunk_size, cross_entropy):
     b, t, _ = hidden.shape
     mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
     c = min(chunk_size, t)

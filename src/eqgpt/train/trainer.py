@@ -51,6 +51,10 @@ class TrainerConfig:
     progress: bool = True
     log: str = "jsonl"
     bytes_per_token: float | None = None  # mean UTF-8 bytes per validation target: logs val_bpb (bits/byte)
+    # Trace steps [start, stop) with jax.profiler into profile_dir (default out_dir/profile, else ./profile),
+    # each step waited for, plus a device-memory profile after the last (see eqgpt.profile.trace, docs/profiling.md).
+    profile_steps: tuple[int, int] | None = None
+    profile_dir: Path | None = None
 
 
 @dataclass
@@ -227,6 +231,12 @@ class Trainer:
         pending: tuple[int, dict[str, Array]] | None = None
         mark_step, mark_time = start, None
         t_begin = time.perf_counter()
+        profile = None
+        if cfg.profile_steps is not None:
+            from eqgpt.profile.trace import ProfileWindow
+
+            out = cfg.profile_dir or (Path(cfg.out_dir) / "profile" if cfg.out_dir is not None else Path("profile"))
+            profile = ProfileWindow(*cfg.profile_steps, out)
         try:
             with StopSignal() as flag:
                 val = self.validate(self.state.model)
@@ -236,7 +246,10 @@ class Trainer:
                 step, stop = start, False
                 while step < cfg.steps and not stop:
                     batch = self.placement.batch(self.loader.local_batch(step))
-                    self.state, metrics = self.step_fn(self.state, batch)
+                    if profile is not None:  # annotated and waited for inside the window
+                        self.state, metrics = profile.run(step, self.step_fn, self.state, batch)
+                    else:
+                        self.state, metrics = self.step_fn(self.state, batch)
                     if pending is not None:  # read the previous step's loss while this one runs
                         mark_step, mark_time = self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
                         pending = None
@@ -258,6 +271,11 @@ class Trainer:
                 if not cfg.eval_every or step % cfg.eval_every or step == cfg.steps:
                     self._eval_row(step, bar, t_begin)
         finally:
+            if profile is not None:
+                profile.close()
+            if profile is not None and profile.taken:
+                bar.print(f"profile of steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} in {profile.log_dir} "
+                          "(docs/profiling.md: open it in Perfetto or TensorBoard)")
             bar.close()
             getattr(self.loader, "close", lambda: None)()  # stop prefetch threads (a later call restarts them)
             if self.checkpointer is not None:
