@@ -138,6 +138,8 @@ class TrainConfig:
     """ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also reduce-scatters gradients); see docs/parallelism/parameter-server.md."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
+    estimate: bool = False
+    """Print the predicted per-device memory (eqgpt.profile.estimate, before compiling), then next to the compiled step's."""
     cpu_devices: int | None = None
     """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
     # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
@@ -289,6 +291,24 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     return summary
 
 
+def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strategy, first_batch, model_cfg,
+                   policy: Policy, log) -> None:
+    """--report: the compiled step's collectives and memory per device; --estimate: the predicted
+    bytes per device (before compiling), then beside the compiled step's memory analysis."""
+    if not (cfg.report or cfg.estimate):
+        return
+    from eqgpt.profile import estimate, report
+
+    predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy) if cfg.estimate else None
+    if predicted is not None:
+        log(predicted.table(title=f"{strategy.describe()}: estimated memory per device (nothing compiled yet)"))
+    compiled = step_fn.lower(state, first_batch()).compile()
+    if cfg.report:
+        log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+    if predicted is not None:
+        log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
+
+
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
     t0 = time.perf_counter()
@@ -319,11 +339,7 @@ def main(cfg: TrainConfig) -> dict:
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
-    if cfg.report:  # the compiled step as evidence: collectives and memory per device
-        from eqgpt.profile import report
-
-        compiled = step_fn.lower(state, strategy.batch(loader.local_batch(0))).compile()
-        log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+    print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     n_params = sum(x.size for x in jax.tree.leaves(model_like))
     log(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "

@@ -79,3 +79,16 @@ def test_recipe_main_matches_one_device(name, args, demo, capsys):
     one_device = float(out.split("step 0 on one device: ")[1].split()[0])
     assert len(losses) == STEPS and np.isfinite(losses).all()
     np.testing.assert_allclose(losses[0], one_device, rtol=1e-4)
+
+
+def test_train_gpt_estimate_flag_prints_estimate_next_to_compiled(tmp_path, capsys):
+    from recipe_runs import TINY, load_recipe, run_recipe, write_documents
+
+    corpus = write_documents(tmp_path / "docs")
+    args = [*TINY, "--data.corpus", str(corpus), "--data.cache-dir", str(tmp_path / "cache"), "--steps", "1",
+            "--eval-windows", "0", "--mesh", "fsdp=8", "--strategy", "fsdp", "--estimate",
+            "--out-dir", str(tmp_path / "run")]
+    run_recipe(load_recipe(), args)
+    out = capsys.readouterr().out
+    assert "estimated memory per device (nothing compiled yet)" in out
+    assert "estimate vs compiled memory per device" in out and "compiled MiB" in out
