@@ -206,8 +206,14 @@ def estimate(
     sp = strategy.sequence_parallel if mesh is not None else False
     d_saved = d / tp if sp else d
     sd, sf, ss = REMAT_SAVED.get(remat, REMAT_SAVED["dots"])
-    saved = layers * in_flight * tokens * (sd * d_saved + sf * f + ss * h * seq)
+    per_layer = sd * d_saved + sf * f + ss * h * seq
+    saved = layers * in_flight * tokens * per_layer
     working = tokens * (WORK_D * d + WORK_F * f + WORK_S * h * seq) + rows * min(128, seq) / ctx * WORK_V * v
+    if strategy.pipeline is not None:
+        # The executor keeps only each in-flight microbatch's stage input and recomputes the
+        # chunk inside its backward branch: the chunk's residuals are working set, not saved.
+        saved = layers * in_flight * tokens * d
+        working += layers * tokens * per_layer
 
     # ---- gradient buffers, and the compiler's reuse of activation buffers, by family:
     # one device (the update fuses into the backward pass); weights replicated on a mesh
