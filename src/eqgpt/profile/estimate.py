@@ -167,7 +167,7 @@ def estimate(
 
     if mesh is None:
         local = [int(np.prod(x.shape)) for x in leaves]
-        opt_local, block_local = local, [n for x, n in zip(leaves, local, strict=True) if x.ndim > 0]
+        opt_local = local
         shape = dict(data=1, fsdp=1, pipeline=1, context=1, tensor=1)
     else:
         from eqgpt.parallel.auto import param_specs
