@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import eqgpt  # noqa: E402
 from eqgpt import nn  # noqa: E402
 from eqgpt.parallel import make_mesh  # noqa: E402
-from eqgpt.parallel.pipeline import lower, make_schedule, pipeline_grad_fn  # noqa: E402
+from eqgpt.parallel.pipeline import lower, make_pipeline_schedule, pipeline_grad_fn  # noqa: E402
 
 
 def temp_bytes(mesh, schedule, model, microbatch: int, seq: int) -> int:
@@ -62,7 +62,7 @@ def main():
     for name in args.schedules:
         first = None
         for m in args.microbatches:
-            sched = make_schedule(name, mesh.shape["pipeline"], m, 2)
+            sched = make_pipeline_schedule(name, mesh.shape["pipeline"], m, 2)
             t = temp_bytes(mesh, sched, model, args.microbatch_size, args.seq)
             first = first or t
             low = lower(sched)

@@ -37,7 +37,7 @@ B_COLOURS = plt.get_cmap("Oranges")
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int = 1):
     """The library's schedule table (the same builder the executor runs)."""
-    build = getattr(pp, "make_pipeline_schedule", None) or pp.make_schedule
+    build = pp.make_pipeline_schedule
     return build(name, stages, microbatches, chunks) if name == "interleaved" else build(name, stages, microbatches)
 
 
@@ -95,7 +95,7 @@ def context_figure(path: pathlib.Path, seq_len: int = 16, size: int = 4) -> None
         pos = layout_positions(seq_len, size, ordering).reshape(size, -1)
         ax = axes[0, col]
         for d in range(size):
-            for j, p in enumerate(pos[d]):
+            for p in pos[d]:
                 ax.add_patch(Rectangle((p, 0), 1, 1, facecolor=cmap(d), edgecolor="white"))
                 ax.text(p + 0.5, 0.5, str(d), ha="center", va="center", fontsize=8, color="white")
         ax.set_xlim(0, seq_len)

@@ -20,7 +20,7 @@ from eqgpt.parallel.pipeline import (
     gpipe,
     interleaved,
     lower,
-    make_schedule,
+    make_pipeline_schedule,
     one_f_one_b,
     pipeline_grad_fn,
 )
@@ -47,7 +47,7 @@ def when(schedule):
 
 @pytest.mark.parametrize("name, p, m, v", GRID)
 def test_forward_before_backward_on_every_stage(name, p, m, v):
-    sched = make_schedule(name, p, m, v)
+    sched = make_pipeline_schedule(name, p, m, v)
     w = when(sched)
     assert len(w) == 2 * m * p * v
     for i, g in itertools.product(range(m), range(p * v)):
@@ -58,7 +58,7 @@ def test_forward_before_backward_on_every_stage(name, p, m, v):
 
 @pytest.mark.parametrize("name, p, m, v", GRID)
 def test_backward_follows_next_stages_backward(name, p, m, v):
-    sched = make_schedule(name, p, m, v)
+    sched = make_pipeline_schedule(name, p, m, v)
     w = when(sched)
     G = p * v
     for i, g in itertools.product(range(m), range(G - 1)):
@@ -68,7 +68,7 @@ def test_backward_follows_next_stages_backward(name, p, m, v):
 
 @pytest.mark.parametrize("name, p, m, v", GRID)
 def test_bubble_matches_formula(name, p, m, v):
-    sched = make_schedule(name, p, m, v)
+    sched = make_pipeline_schedule(name, p, m, v)
     idle = sum(a is None for row in sched.ticks for a in row)
     measured = idle / (len(sched.ticks) * p)
     assert measured == pytest.approx(sched.bubble)
@@ -123,7 +123,7 @@ def test_a_table_that_breaks_the_order_is_rejected():
     [
         (lambda: interleaved(4, 6, 2), "divisible by the 4 stages"),
         (lambda: interleaved(4, 8, 1), "num_chunks >= 2"),
-        (lambda: make_schedule("zigzag", 4, 8), "unknown pipeline schedule"),
+        (lambda: make_pipeline_schedule("zigzag", 4, 8), "unknown pipeline schedule"),
         (lambda: one_f_one_b(4, 0), "positive integer"),
         (lambda: gpipe(0, 4), "positive integer"),
     ],

@@ -10,10 +10,11 @@ from eqgpt.nn.loss import chunked_cross_entropy, chunked_loss_sums, lm_loss
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask, make_mask
 from eqgpt.nn.mlp import MLP, SwiGLU
 from eqgpt.nn.norm import LayerNorm, RMSNorm
+from eqgpt.nn.protocol import LanguageModel
 from eqgpt.nn.rope import apply_rope
 
 __all__ = [
-    "GPT", "Attention", "KVCache", "Block", "Embedding", "Linear", "MLP", "SwiGLU",
+    "GPT", "LanguageModel", "Attention", "KVCache", "Block", "Embedding", "Linear", "MLP", "SwiGLU",
     "LayerNorm", "RMSNorm", "Mask", "CausalMask", "DocumentMask", "FullMask",
     "SlidingWindowMask", "make_mask", "apply_rope", "make_block", "lm_loss",
     "chunked_cross_entropy", "chunked_loss_sums", "logical_axes", "map_constraints", "LogicalAxes", "NoConstraint",

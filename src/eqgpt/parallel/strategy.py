@@ -386,9 +386,8 @@ class Strategy:
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import pipeline_grad_fn
 
-            return _plain_positions_only(pipeline_grad_fn(
-                self.mesh, self.pipeline_schedule(), rules=self.param_rules, chunk_size=chunk_size,
-                z_loss=z_loss, policy=policy, context=self.context))
+            return pipeline_grad_fn(self.mesh, self.pipeline_schedule(), rules=self.param_rules,
+                                    chunk_size=chunk_size, z_loss=z_loss, policy=policy, context=self.context)
         if self.manual and self.zero:
             from eqgpt.parallel.zero import manual_zero_grad_fn
 

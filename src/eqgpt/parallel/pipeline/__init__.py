@@ -19,12 +19,12 @@ from eqgpt.parallel.pipeline.schedules import (
     from_programs,
     gpipe,
     interleaved,
-    make_schedule,
+    make_pipeline_schedule,
     one_f_one_b,
 )
 
 __all__ = [
     "Action", "Schedule", "SCHEDULES", "from_programs", "gpipe", "one_f_one_b", "interleaved",
-    "make_schedule", "lower", "Lowered", "pipeline_grad_fn", "check_pipeline", "bubble_report",
+    "make_pipeline_schedule", "lower", "Lowered", "pipeline_grad_fn", "check_pipeline", "bubble_report",
     "PP", "to_stages", "from_stages",
 ]

@@ -30,12 +30,35 @@ the dimensions FSDP shards (FSDP parameters are all-gathered once per step
 on entry). The `tensor` axis is left to the automatic partitioner: weights that
 the rules split over `tensor` stay split inside each stage and XLA inserts the
 Megatron all-reduces.
+
+Context parallelism (`context=ContextConfig(...)`): the batch is put into the
+layout (zigzag) once per step, before the program, and `context` joins the
+manual axes: each device holds `T/n` positions of every microbatch, and the
+model gets the global positions of its slots. The attention kernels are swapped
+for `ContextKernel`s, which see that `context` is already manual and run the
+ring (or all-gather) on the local shards directly; every other layer, the loss
+included, is per position and needs nothing. A `shard_map` over `context`
+nested in this one would not do: on JAX 0.10 its backward pass fails to lower
+(the nested manual computation re-binds the outer axes). Across `context` the
+step reduces exactly what it reduces across `data`: the loss terms and, once at
+the end, every gradient (a `psum`), since each device saw a share of the tokens.
+Per tick a context device sends its activations' `1/n` through the pipeline, and
+its ring moves `(n-1)/n` of each layer's keys and values (twice that in backward).
+
+Precision: each stage casts its parameters to the policy's compute dtype inside
+the differentiated function, and activations travel between stages in it;
+gradients come back in the parameter dtype, the loss in fp32.
+
+The model protocol (`eqgpt.nn.protocol.LanguageModel`): the executor reads a
+model only through `embed(tokens, positions)`, `blocks` (layers stacked on a
+leading axis), `run_blocks(x, positions, segment_ids)`, `norm(h)` and
+`logits(h)`, so any model that has them runs as a pipeline. The layer count is
+read from the arrays of `blocks`, the width from `jax.eval_shape` of `embed`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +66,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
+from einops import rearrange
 from jaxtyping import Array
 
+from eqgpt.data.batch import Batch
 from eqgpt.nn.axes import NoConstraint, map_constraints
-from eqgpt.nn.gpt import GPT
 from eqgpt.nn.loss import chunked_cross_entropy
+from eqgpt.nn.protocol import check_language_model, num_layers
 from eqgpt.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -66,9 +91,10 @@ from eqgpt.parallel.pipeline.lowering import (
     OP,
     lower,
 )
-from eqgpt.parallel.pipeline.schedules import Schedule, make_schedule
-from eqgpt.parallel.rules import Rules, strategy
-from eqgpt.parallel.shard import param_specs
+from eqgpt.parallel.auto import param_specs
+from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
+from eqgpt.parallel.rules import Rules, preset_rules
+from eqgpt.precision import Policy
 from eqgpt.profile.memory import memory
 
 PIPELINE = "pipeline"
@@ -78,19 +104,18 @@ MANUAL_AXES = (PIPELINE, *BATCH_AXES)
 #: Place the layer stack over the pipeline axis (merge into a strategy: `rules + PP`).
 PP = Rules(params={"layers": PIPELINE}, name="pp")
 
-Batch = Mapping[str, Array] | Array
-
 
 # ------------------------------------------------------------------ checks
 
 
 def check_pipeline(
-    config_layers: int, mesh: Mesh, schedule: Schedule, batch_size: int | None = None
+    config_layers: int, mesh: Mesh, schedule: Schedule, batch_size: int | None = None, *, context: Any = None
 ) -> None:
     """Raise `ValueError` (before anything compiles) for sizes the pipeline cannot split.
 
-    **Arguments:** the model's `num_layers`, the `mesh`, the `schedule`, and
-    optionally the global `batch_size`.
+    **Arguments:** the model's number of layers, the `mesh`, the `schedule`,
+    optionally the global `batch_size`, and the `ContextConfig` when the sequence
+    is split over `context` too.
     """
     missing = [a for a in (*MANUAL_AXES, "tensor") if a not in mesh.shape]
     if missing:
@@ -100,9 +125,9 @@ def check_pipeline(
     if schedule.num_stages != p:
         raise ValueError(f"schedule {schedule.name!r} has {schedule.num_stages} stages but the mesh's "
                          f"pipeline axis has {p}; build the schedule with num_stages={p}.")
-    if mesh.shape.get("context", 1) > 1:
-        raise ValueError("pipeline parallelism does not compose with context parallelism yet; "
-                         "set context=1 in the mesh.")
+    if mesh.shape.get("context", 1) > 1 and not context:
+        raise ValueError("the mesh has a context axis but the pipeline has no context attention; pass "
+                         "context=ContextConfig('ring') (recipe: --context ring) or set context=1.")
     G = schedule.num_virtual_stages
     if config_layers % G:
         ok_p = [d for d in range(1, config_layers + 1) if config_layers % (d * schedule.num_chunks) == 0]
@@ -150,17 +175,15 @@ def _batch_axes(spec: PartitionSpec, ndim: int, drop_lead: bool = False) -> Batc
 
 def to_stages(x: Array, p: int, v: int) -> Array:
     """`[L, ...]` layers -> `[p, v, L/(p v), ...]`: device `s` holds chunks `s, s+p, ...`."""
-    L = x.shape[0]
-    return jnp.swapaxes(x.reshape(v, p, L // (p * v), *x.shape[1:]), 0, 1)
+    return rearrange(x, "(v p l) ... -> p v l ...", p=p, v=v)
 
 
 def from_stages(x: Array) -> Array:
     """The inverse of `to_stages`."""
-    p, v, lc = x.shape[:3]
-    return jnp.swapaxes(x, 0, 1).reshape(p * v * lc, *x.shape[3:])
+    return rearrange(x, "p v l ... -> (v p l) ...")
 
 
-def _split_model(model: GPT):
+def _split_model(model):
     """(block arrays, other arrays, static parts)."""
     params, static = eqx.partition(model, eqx.is_array)
     blocks = params.blocks
@@ -173,7 +196,7 @@ def _without_blocks(tree):
     return eqx.tree_at(lambda m: m.blocks, tree, replace_fn=lambda b: jax.tree.map(lambda _: None, b, is_leaf=is_spec))
 
 
-def _stage_model(rest, chunk_blocks, static) -> GPT:
+def _stage_model(rest, chunk_blocks, static):
     return eqx.combine(_with_blocks(rest, chunk_blocks), static)
 
 
@@ -183,23 +206,16 @@ def _with_blocks(tree, blocks):
 
 
 def _batch_fields(batch: Batch) -> dict[str, Array]:
-    """The batch as `{tokens, targets[, loss_mask, segment_ids]}`, each `[batch, seq]`.
-
-    A `[batch, seq + 1]` token array (the trainer's format) is split into inputs and
-    shifted targets.
-    """
-    if hasattr(batch, "shape") and hasattr(batch, "dtype"):
-        if len(batch.shape) != 2 or batch.shape[1] < 2:
-            raise ValueError(f"a token batch is [batch, seq + 1]; got shape {tuple(batch.shape)}.")
-        return {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
-    if not isinstance(batch, Mapping) or "tokens" not in batch or "targets" not in batch:
-        raise ValueError("a pipeline batch is a [batch, seq + 1] token array, or a mapping with 'tokens' "
-                         "and 'targets' (and optionally 'loss_mask', 'segment_ids'), each [batch, seq].")
-    out = {k: batch[k] for k in ("tokens", "targets", "loss_mask", "segment_ids") if batch.get(k) is not None}
-    shapes = {k: tuple(v.shape) for k, v in out.items()}
-    if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != 2:
-        raise ValueError(f"batch arrays must all be [batch, seq]; got {shapes}.")
-    return out
+    """The batch's arrays as `{tokens, targets[, loss_mask, segment_ids]}`, each `[batch, seq]`."""
+    if not isinstance(batch, Batch):
+        raise ValueError(f"a pipeline batch is an eqgpt.data.Batch; got {type(batch).__name__} "
+                         "(Batch.from_windows splits [batch, seq + 1] token windows).")
+    if batch.positions is not None:
+        raise ValueError("Batch.positions (per-row positions of packed documents) are not supported by the "
+                         "pipeline yet; use one device, the automatic path or context parallelism.")
+    fields = {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
+              "segment_ids": batch.segment_ids}
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 # ------------------------------------------------------------------ the program
@@ -220,8 +236,8 @@ def _gather_params(tree, axes_tree, lead: int = 0):
     return jax.tree.map(one, tree, axes_tree)
 
 
-def _reduce_grads(tree, axes_tree, lead: int = 0):
-    """Sum local gradients over all data-parallel devices, keeping FSDP's shards (once per step)."""
+def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BATCH_AXES):
+    """Sum local gradients over all `sum_axes` devices, keeping FSDP's shards (once per step)."""
 
     def one(g, ba: BatchAxes):
         used = set()
@@ -229,52 +245,62 @@ def _reduce_grads(tree, axes_tree, lead: int = 0):
             if axes:
                 g = reduce_scatter(g, axes, dim=lead + dim)
                 used.update(axes)
-        rest = tuple(a for a in BATCH_AXES if a not in used)
+        rest = tuple(a for a in sum_axes if a not in used)
         return all_reduce(g, rest) if rest else g
 
     return jax.tree.map(one, tree, axes_tree)
 
 
 def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
-               block_axes, rest_axes):
-    """The `shard_map`ped step `(staged blocks, other params, batch) -> (loss terms, grads, grads)`."""
+               block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None):
+    """The `shard_map`ped step `(staged blocks, other params, batch, positions) -> (loss terms, grads, grads)`.
+
+    `width` is the model's activation width; `positions` the global position of each
+    slot of the (possibly laid-out) sequence. With `context_axis` the sequence of the
+    batch and of the positions is split over it too (a manual axis like `data`).
+    """
     p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
     lowered = lower(schedule)
     program = jnp.asarray(lowered.instructions)
     ring = v > 1  # chunks wrap from the last stage back to the first
     fwd_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
     bwd_perm = [(i, (i - 1) % p) for i in (range(p) if ring else range(1, p))]
-    vary = lambda tree: to_varying(tree, MANUAL_AXES)  # noqa: E731
+    seq_axes = () if context_axis is None else (context_axis,)
+    manual = (*MANUAL_AXES, *seq_axes)
+    token_axes = (*BATCH_AXES, *seq_axes)  # every device here holds a share of the tokens
+    vary = lambda tree: to_varying(tree, manual)  # noqa: E731
 
-    def step(blocks, rest, batch):
+    def step(blocks, rest, batch, positions):
         blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
         blocks = vary(_gather_params(blocks, block_axes, lead=2))
         rest = vary(_gather_params(rest, rest_axes))
         bl, t = batch["tokens"].shape
         mb = bl // m
-        micro = vary({k: a.reshape(m, mb, *a.shape[1:]) for k, a in batch.items()})
+        micro = vary({k: rearrange(a, "(m b) ... -> m b ...", m=m) for k, a in batch.items()})
         mask = batch.get("loss_mask")
         local_count = jnp.sum(mask.astype(jnp.float32)) if mask is not None else jnp.float32(bl * t)
-        total = jnp.maximum(all_reduce(local_count, BATCH_AXES), 1.0)
-        positions = jnp.arange(t)
-        d = rest.tok_embed.weight.shape[-1]
+        total = jnp.maximum(all_reduce(local_count, token_axes), 1.0)
+        pos = positions
         stage = jax.lax.axis_index(PIPELINE)
+        act = policy.compute  # activations travel between stages in the compute dtype
 
-        zeros_act = jnp.zeros((mb, t, d), jnp.float32)
+        zeros_act = jnp.zeros((mb, t, width), act)
         no_terms = jnp.zeros((3,), jnp.float32)
 
         def run(chunk, rest_p, x, data, first, last):
             """One virtual stage: (input, or tokens if `first`) -> (output, loss terms if `last`)."""
-            model = _stage_model(rest_p, chunk, static)
-            x = jax.lax.cond(first, lambda: model.embed(data["tokens"], positions).astype(x.dtype), lambda: x)
-            h = model.run_blocks(x, positions, data.get("segment_ids"))
+            model = _stage_model(policy.cast_to_compute(rest_p), policy.cast_to_compute(chunk), static)
+            x = jax.lax.cond(first, lambda: model.embed(data["tokens"], pos).astype(act), lambda: x)
+            h = model.run_blocks(x, pos, data.get("segment_ids"))
 
             def loss_terms(h):
+                # This device's positions only (all of them, or its context shard): the
+                # mean over them, weighted by their share of all the step's tokens.
+                lm = data.get("loss_mask")
                 loss, aux = chunked_cross_entropy(
-                    model.logits, model.norm(h), data["targets"], loss_mask=data.get("loss_mask"),
+                    model.logits, model.norm(h), data["targets"], loss_mask=lm,
                     chunk_size=chunk_size, z_loss=z_loss,
                 )
-                lm = data.get("loss_mask")
                 count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(mb * t)
                 return jnp.maximum(count, 1.0) / total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
 
@@ -287,7 +313,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         def forward(chunk, rest_p, x, dy, data, first, last):
             y, terms = run(chunk, rest_p, x, data, first, last)
             zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
-            return vary((y.astype(jnp.float32), zeros_act, *zeros, terms))
+            return vary((y.astype(act), zeros_act, *zeros, terms))
 
         def backward(chunk, rest_p, x, dy, data, first, last):
             # Recompute the stage from its saved input, then pull back: the gradient that
@@ -296,7 +322,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             cot_y = jnp.where(last, 0.0, dy).astype(y.dtype)
             cot_terms = jnp.where(last, jnp.array([1.0, 0.0, 0.0]), 0.0)
             d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
-            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(jnp.float32), d_chunk, d_rest, no_terms))
+            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), d_chunk, d_rest, no_terms))
 
         branches = [idle, forward, backward]
 
@@ -319,8 +345,8 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             return (acts, grads_in, g_blocks, g_rest, terms + d_terms), None
 
         init = vary((
-            jnp.zeros((lowered.act_slots, mb, t, d), jnp.float32),
-            jnp.zeros((lowered.grad_slots, mb, t, d), jnp.float32),
+            jnp.zeros((lowered.act_slots, mb, t, width), act),
+            jnp.zeros((lowered.grad_slots, mb, t, width), act),
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), blocks),
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest),
             jnp.zeros((3,), jnp.float32),
@@ -328,17 +354,17 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         (_, _, g_blocks, g_rest, terms), _ = jax.lax.scan(tick, init, program)
         # Once per step: the loss from the last stage to every stage, then sums over
         # the data-parallel devices; embedding/head gradients summed over stages.
-        terms = all_reduce(broadcast(terms, PIPELINE, root=p - 1), BATCH_AXES)
-        g_rest = _reduce_grads(all_reduce(g_rest, PIPELINE), rest_axes)
-        g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes, lead=2))
+        terms = all_reduce(broadcast(terms, PIPELINE, root=p - 1), token_axes)
+        g_rest = _reduce_grads(all_reduce(g_rest, PIPELINE), rest_axes, sum_axes=token_axes)
+        g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes, lead=2, sum_axes=token_axes))
         return terms, g_blocks, g_rest
 
     block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), block_axes)
     rest_specs = jax.tree.map(lambda ba: ba.spec(), rest_axes)
-    batch_spec = PartitionSpec(BATCH_AXES)
+    batch_spec = PartitionSpec(BATCH_AXES, *seq_axes)
     return jax.shard_map(
-        step, mesh=mesh, in_specs=(block_specs, rest_specs, batch_spec),
-        out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(MANUAL_AXES),
+        step, mesh=mesh, in_specs=(block_specs, rest_specs, batch_spec, PartitionSpec(*seq_axes)),
+        out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(manual),
     )
 
 
@@ -351,56 +377,67 @@ def pipeline_grad_fn(
     rules: Rules | str | None = None,
     chunk_size: int = 128,
     z_loss: float = 0.0,
+    policy: Policy | None = None,
+    context: Any = None,
 ) -> PipelineGradFn:
     """A `grad_fn(model, batch) -> ((loss, aux), grads)` that runs a pipeline schedule.
 
     **Arguments:**
 
     - `mesh`: a mesh from `eqgpt.parallel.make_mesh` with a `pipeline` axis of size p
-      (`data`, `fsdp` and `tensor` may be > 1; `context` must be 1).
+      (`data`, `fsdp`, `tensor` and, with `context`, `context` may be > 1).
     - `schedule`: a `Schedule`, or a name ("gpipe", "1f1b", "interleaved") built
       with `microbatches` and, for "interleaved", `virtual_stages` chunks per stage.
     - `rules`: the rule set the parameters are placed with (e.g. `"fsdp+tp"`); it
       says which parameter dimensions are split over `fsdp`. `None`: replicated
       over `data`/`fsdp` (plain data parallelism).
     - `chunk_size`, `z_loss`: as in `eqgpt.nn.chunked_cross_entropy`.
+    - `policy`: the precision `Policy`: each stage computes in its compute dtype and
+      sends activations in it; gradients come back in the parameter dtype.
+    - `context`: an `eqgpt.parallel.context.ContextConfig` when the sequence is also
+      split over its `axis` (required when that axis is > 1). The batch is laid out
+      once per step here and the model's `Attention` kernels are swapped for
+      `ContextKernel`s for the step (already installed ones are fine; the caller's
+      model is not changed).
 
-    **Returns:** the gradient function. `batch` is a mapping with `tokens` and
-    `targets` (optionally `loss_mask`, `segment_ids`), each `[batch, seq]`;
-    `loss` and `aux` (`nll`, `z_loss`) equal `eqgpt.nn.lm_loss` on the whole
-    batch, and `grads` has the model's structure (arrays where it has arrays).
+    **Returns:** the gradient function of a model that satisfies
+    `eqgpt.nn.LanguageModel` and an `eqgpt.data.Batch` (without per-row
+    `positions`); `loss` and `aux` (`nll`, `z_loss`) equal `eqgpt.nn.lm_loss` on
+    the whole batch, in fp32, and `grads` has the model's structure, in the
+    parameter dtype.
     """
     if isinstance(schedule, str):
         if microbatches is None:
             raise ValueError(f"schedule {schedule!r} given by name needs microbatches=m.")
-        schedule = make_schedule(schedule, mesh.shape.get(PIPELINE, 1), microbatches, virtual_stages)
+        schedule = make_pipeline_schedule(schedule, mesh.shape.get(PIPELINE, 1), microbatches, virtual_stages)
     elif microbatches is not None and microbatches != schedule.num_microbatches:
         raise ValueError(f"microbatches={microbatches} contradicts the schedule's "
                          f"{schedule.num_microbatches}; pass one or the other.")
-    rules = None if rules is None else strategy(rules)
-    check_pipeline(schedule.num_virtual_stages, mesh, schedule)  # mesh and schedule agree
-    return PipelineGradFn(mesh, schedule, rules, chunk_size, z_loss)
+    rules = None if rules is None else preset_rules(rules)
+    check_pipeline(schedule.num_virtual_stages, mesh, schedule, context=context)  # mesh and schedule agree
+    return PipelineGradFn(mesh, schedule, rules, chunk_size, z_loss, Policy() if policy is None else policy, context)
 
 
 class PipelineGradFn:
     """The callable `pipeline_grad_fn` returns; also reports the schedule and compiled memory.
 
-    **Attributes:** `mesh`, `schedule`, `rules`.
+    **Attributes:** `mesh`, `schedule`, `rules`, `policy`, `context`.
     """
 
-    def __init__(self, mesh: Mesh, schedule: Schedule, rules: Rules | None, chunk_size: int, z_loss: float):
-        self.mesh, self.schedule, self.rules = mesh, schedule, rules
+    def __init__(self, mesh: Mesh, schedule: Schedule, rules: Rules | None, chunk_size: int, z_loss: float,
+                 policy: Policy, context: Any):
+        self.mesh, self.schedule, self.rules, self.policy, self.context = mesh, schedule, rules, policy, context
         self.chunk_size, self.z_loss = chunk_size, z_loss
         self._jitted = eqx.filter_jit(self._grad)
 
     def __repr__(self) -> str:
         return f"PipelineGradFn({self.schedule.name}, mesh={dict(self.mesh.shape)})"
 
-    def __call__(self, model: GPT, batch: Batch):
+    def __call__(self, model, batch: Batch):
         """**Returns:** `((loss, aux), grads)` for `model` on `batch` (see `pipeline_grad_fn`)."""
         return self._jitted(model, batch)
 
-    def compile(self, model: GPT, batch: Batch):
+    def compile(self, model, batch: Batch):
         """The compiled step (`jax.stages.Compiled`): for `memory_analysis()` and the HLO.
 
         `model` and `batch` may be abstract (`eqx.filter_eval_shape`, `jax.ShapeDtypeStruct`).
@@ -410,25 +447,38 @@ class PipelineGradFn:
         step = jax.jit(lambda dyn, b: self._grad(eqx.combine(dyn, static), b))
         return step.lower(dynamic, batch).compile()
 
-    def temp_bytes(self, model: GPT, batch: Batch) -> int:
+    def temp_bytes(self, model, batch: Batch) -> int:
         """Per-device temporary memory of the compiled step (`memory_analysis().temp_size_in_bytes`)."""
         return memory(self.compile(model, batch)).temp_bytes
 
-    def report(self, model: GPT | None = None, batch: Batch | None = None) -> str:
+    def report(self, model=None, batch: Batch | None = None) -> str:
         """The bubble of the schedule, and with `model` and `batch` the compiled temp memory."""
         line = bubble_report(self.schedule)
         if model is not None and batch is not None:
             line += f"; temp memory {self.temp_bytes(model, batch) / 2**20:.2f} MiB per device"
         return line
 
-    def _grad(self, model: GPT, batch: Batch):
-        mesh, schedule = self.mesh, self.schedule
+    def _grad(self, model, batch: Batch):
+        mesh, schedule, ctx = self.mesh, self.schedule, self.context
         p, v = schedule.num_stages, schedule.num_chunks
+        check_language_model(model)
         fields = _batch_fields(batch)
-        check_pipeline(model.config.num_layers, mesh, schedule, fields["tokens"].shape[0])
+        b, t = fields["tokens"].shape
+        check_pipeline(num_layers(model), mesh, schedule, b, context=ctx)
         layout = jax.tree.structure(eqx.filter(model, eqx.is_array))  # the caller's, hooks included
+        param_dtypes = [a.dtype for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+        context_axis = None
+        positions = jnp.arange(t)
+        if ctx is not None and mesh.shape[ctx.axis] > 1:  # the sequence over `context`: laid out once, here
+            from eqgpt.parallel.context import layout_batch, use_context_attention
+
+            context_axis = ctx.axis
+            fields = layout_batch(fields, mesh.shape[ctx.axis], ctx.ordering)
+            positions = fields.pop("positions")
+            model = use_context_attention(model, mesh, ctx)  # the kernels only: the same arrays
         # Inside the pipeline the activation hooks are identity (see the module docstring).
         model = map_constraints(model, lambda _path, _hook: NoConstraint())
+        width = jax.eval_shape(model.embed, fields["tokens"][:1], positions).shape[-1]
         blocks, rest, static = _split_model(model)
         if self.rules is None:
             specs = jax.tree.map(lambda a: PartitionSpec(), eqx.filter(model, eqx.is_array))
@@ -436,12 +486,13 @@ class PipelineGradFn:
             specs = param_specs(eqx.filter(model, eqx.is_array), self.rules, mesh=mesh)
         block_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
         rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
-        step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes)
+        step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
+                          width=width, policy=self.policy, context_axis=context_axis)
         staged = jax.tree.map(lambda a: to_stages(a, p, v), blocks)
-        terms, g_blocks, g_rest = step(staged, rest, fields)
+        terms, g_blocks, g_rest = step(staged, rest, fields, positions)
         grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
-        grads = jax.tree.unflatten(layout, jax.tree.leaves(grads))
-        return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), grads
+        leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
+        return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), jax.tree.unflatten(layout, leaves)
 
 
 def bubble_report(schedule: Schedule) -> str:

@@ -276,7 +276,7 @@ def _check_sizes(p: int, m: int, v: int) -> None:
             raise ValueError(f"{what} must be a positive integer, got {n!r}.")
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
+def make_pipeline_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
     """The schedule called `name` ("gpipe", "1f1b" or "interleaved").
 
     **Arguments:** `name`; `num_stages` (p); `num_microbatches` (m); `num_chunks`
