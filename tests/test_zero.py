@@ -80,6 +80,29 @@ def test_zero2_with_tensor_parallelism_trains_like_data_parallelism():
     assert_same_training(run("data=4,tensor=2", "dp+tp", 2), run("data=8", "dp"), 1e-5)
 
 
+@functools.cache
+def pipeline_run(zero: int):
+    strategy = Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2, zero=zero)
+    model = strategy.init_model(lambda k: nn.GPT(CONFIG, key=k), jax.random.key(0))
+    state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(1))
+    step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
+    losses = []
+    for b in batches():
+        state, metrics = step(state, strategy.batch(b))
+        losses.append(float(metrics["loss"]))
+    arrays = {par.path_str(p): np.asarray(x)
+              for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(state.model, eqx.is_array))[0]}
+    return losses, arrays, state
+
+
+def test_zero2_with_the_pipeline_trains_like_the_pipeline():
+    ref, out = pipeline_run(0), pipeline_run(2)
+    assert_same_training(out, ref, 1e-5)
+    mu = out[2].opt_state[1][0].mu
+    for m in jax.tree.leaves(mu):  # every moment split over data=4 (the layer stacks also over pipeline=2)
+        assert m.addressable_shards[0].data.size * 4 <= m.size
+
+
 def test_zero_state_is_split_over_data_and_parameters_stay_replicated():
     *_, strategy, state = run("data=8", "dp", 1)
     assert isinstance(strategy.placement_for(state.model), ZeroPlacement)
