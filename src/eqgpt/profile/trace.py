@@ -390,8 +390,58 @@ def op_table(path: str | Path, *, hlo_text=None, scopes: tuple[str, ...] | None 
     return table_text(table, width=140)
 
 
+
+
+def plot_timeline(path: str | Path, out: str | Path, *, step: int | None = None, title: str = "") -> Path | None:
+    """Draw one traced step as a per-device timeline (PNG): compute and each collective kind in colour.
+
+    **Arguments:** `path` (log directory or `*.xplane.pb`); `out`, the PNG to write;
+    `step`: which annotated step (default the last); `title`.
+
+    **Returns:** `out`, or `None` (with a notice) without matplotlib.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no timeline (pip install 'eqgpt[plot]').")
+        return None
+    ops, steps = load_events(path)
+    if not steps:
+        raise ValueError("the trace has no step annotations (see ProfileWindow).")
+    s = steps[-1] if step is None else next(x for x in steps if x.step == step)
+    inside = [o for o in ops if o.start_ns >= s.start_ns and o.end_ns <= s.end_ns
+              and not re.match(r"(while|call|conditional)(\.\d+)?$", o.name)]
+    colours = {"compute": "#4c72b0", "all-reduce": "#dd5555", "all-gather": "#f0a030",
+               "reduce-scatter": "#9b59b6", "all-to-all": "#2ca02c", "collective-permute": "#17becf"}
+    devices = sorted({o.device for o in inside})
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(devices) + 1.6), dpi=110)
+    for row, dev in enumerate(devices):
+        for kind in colours:
+            spans = [((o.start_ns - s.start_ns) / 1e6, (o.end_ns - o.start_ns) / 1e6) for o in inside
+                     if o.device == dev and (collective_kind(o.name) or "compute") == kind]
+            if spans:
+                ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colours[kind], linewidth=0)
+    used = {collective_kind(o.name) or "compute" for o in inside}
+    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in colours.items() if k in used]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), frameon=False)
+    ax.set_yticks(range(len(devices)), [f"device {d}" for d in devices])
+    ax.invert_yaxis()
+    ax.set_xlim(0, (s.end_ns - s.start_ns) / 1e6)
+    ax.set_xlabel(f"ms since the start of step {s.step}")
+    ax.set_title(title or f"step {s.step}: XLA ops per device")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 __all__ = [
     "STEP_NAME", "OpEvent", "ProfileWindow", "StepBreakdown", "StepEvent", "breakdown_table", "collective_kind",
-    "load_events", "op_names", "op_table", "parse_steps", "profiler_options", "save_memory_profile", "scope_of",
+    "load_events", "op_names", "op_table", "parse_steps", "plot_timeline", "profiler_options", "save_memory_profile", "scope_of",
     "step_annotation", "step_breakdown", "trace", "trace_files",
 ]
