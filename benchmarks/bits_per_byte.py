@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 import train_gpt  # noqa: E402
-
 from eqgpt.data import load_corpus  # noqa: E402
 
 

@@ -22,7 +22,15 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import Int
 
-from eqgpt.data.tokenizer import MAX_VOCAB, TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer, parse_bpe_spec, train_bpe
+from eqgpt.data.tokenizer import (
+    MAX_VOCAB,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    parse_bpe_spec,
+    train_bpe,
+)
 
 # Directories of the stdlib that are not ordinary library code (tests, vendored
 # third-party packages, IDLE's tests): left out of the default corpus.
@@ -153,7 +161,13 @@ class _progress:
     def __enter__(self):
         if self.label is None or self.total < 2:
             return lambda n: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.bar = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("files"), TimeElapsedColumn(), transient=True)
