@@ -9,6 +9,11 @@ axis, while every other mesh axis stays with the automatic partitioner. So a
 batch split over `data`/`fsdp` and heads split over `tensor` (rules of
 `eqgpt.parallel.rules`) pass through unchanged, and DP, FSDP and TP compose
 with context parallelism without any code here knowing about them.
+
+Called where the context axis is *already* manual (inside a `shard_map` over it,
+as the pipeline runs its stages), the arrays are the local shards and their
+positions, and the kernel runs the per-device ring / all-gather directly. On an
+axis of size 1 it calls the kernel it replaced: there is nothing to split.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from typing import Literal
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, get_abstract_mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from eqgpt.nn.kernels import get_kernel
 from eqgpt.nn.mask import Mask
 from eqgpt.parallel.context.allgather import allgather_attention
 from eqgpt.parallel.context.ring import ring_attention
@@ -135,20 +141,27 @@ class ContextKernel(eqx.Module):
         t, n = q.shape[1], self.size
         if k.shape[1] != t:
             raise ValueError(f"context attention is self-attention: q has {t} positions, k has {k.shape[1]}.")
-        if t % n:
+        if (q_seg is None) != (k_seg is None):
+            raise ValueError("Pass both q_seg and k_seg, or neither.")
+        manual = self.axis in get_abstract_mesh().manual_axes
+        if n == 1 and not manual:
+            return get_kernel(self.replaces)(q, k, v, mask=mask, q_pos=q_pos, k_pos=k_pos,
+                                             q_seg=q_seg, k_seg=k_seg, scale=scale)
+        if not manual and t % n:
             raise ValueError(
                 f"the sequence ({t} tokens) must split evenly over the {n} devices of axis "
                 f"{self.axis!r}; use a length divisible by {n}."
             )
-        if (q_seg is None) != (k_seg is None):
-            raise ValueError("Pass both q_seg and k_seg, or neither.")
-        half_shard = max(1, t // (2 * n))
+        shard = t if manual else t // n
+        half_shard = max(1, shard // 2)
         kw = dict(mask=mask, scale=scale, axis=self.axis, block_q=min(self.block_q, half_shard),
                   block_k=min(self.block_k, half_shard))
         if self.impl == "ring":
-            fn = partial(ring_attention, q_chunks=self.chunks_for(t // n, kw["block_q"]))
+            fn = partial(ring_attention, q_chunks=self.chunks_for(shard, kw["block_q"]))
         else:
             fn = allgather_attention
+        if manual:  # local shards already: the per-device computation itself
+            return fn(q, k, v, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, **kw)
         seq, tok = P(None, self.axis), P(self.axis)
         if q_seg is None:
             def local(q, k, v, qp, kp):

@@ -35,15 +35,24 @@ Context parallelism (`context=ContextConfig(...)`): the batch is put into the
 layout (zigzag) once per step, before the program, and `context` joins the
 manual axes: each device holds `T/n` positions of every microbatch, and the
 model gets the global positions of its slots. The attention kernels are swapped
-for `ContextKernel`s, which see that `context` is already manual and run the
-ring (or all-gather) on the local shards directly; every other layer, the loss
-included, is per position and needs nothing. A `shard_map` over `context`
-nested in this one would not do: on JAX 0.10 its backward pass fails to lower
-(the nested manual computation re-binds the outer axes). Across `context` the
-step reduces exactly what it reduces across `data`: the loss terms and, once at
-the end, every gradient (a `psum`), since each device saw a share of the tokens.
-Per tick a context device sends its activations' `1/n` through the pipeline, and
-its ring moves `(n-1)/n` of each layer's keys and values (twice that in backward).
+for all-gather `ContextKernel`s, which see that `context` is already manual and
+run on the local shards directly; every other layer, the loss included, is per
+position and needs nothing. Across `context` the step reduces exactly what it
+reduces across `data`: the loss terms and, once at the end, every gradient (a
+`psum`), since each device saw a share of the tokens. Per layer and microbatch
+a context device gathers `(n-1)/n` of the keys and values in forward (and again
+in the recomputing backward) and reduce-scatters their gradients: the ring's
+volume, without its overlap. Two formulations do not work, and why:
+
+- a `shard_map` over `context` nested in this one (the `ContextKernel` as the
+  automatic path runs it): on JAX 0.10 its backward pass fails to lower, the
+  nested manual computation re-binding the outer axes;
+- ring attention inside a stage: its `ppermute`s run inside the tick's
+  `lax.switch`, and stages take different branches in the same tick, while a
+  collective-permute's rendezvous joins every device of the program (XLA:CPU
+  deadlocks or pairs the wrong permutes). An all-gather's group is the context
+  peers of one stage, which always take the same branch. So `impl="ring"` runs
+  as all-gather here (logged once).
 
 Precision: each stage casts its parameters to the policy's compute dtype inside
 the differentiated function, and activations travel between stages in it;
@@ -58,6 +67,8 @@ read from the arrays of `blocks`, the width from `jax.eval_shape` of `embed`.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +107,8 @@ from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.precision import Policy
 from eqgpt.profile.memory import memory
+
+_log = logging.getLogger(__name__)
 
 PIPELINE = "pipeline"
 BATCH_AXES = ("data", "fsdp")
@@ -475,7 +488,7 @@ class PipelineGradFn:
             context_axis = ctx.axis
             fields = layout_batch(fields, mesh.shape[ctx.axis], ctx.ordering)
             positions = fields.pop("positions")
-            model = use_context_attention(model, mesh, ctx)  # the kernels only: the same arrays
+            model = use_context_attention(model, mesh, _in_stage(ctx))  # the kernels only: the same arrays
         # Inside the pipeline the activation hooks are identity (see the module docstring).
         model = map_constraints(model, lambda _path, _hook: NoConstraint())
         width = jax.eval_shape(model.embed, fields["tokens"][:1], positions).shape[-1]
@@ -493,6 +506,21 @@ class PipelineGradFn:
         grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
         leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
         return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), jax.tree.unflatten(layout, leaves)
+
+
+_LOGGED: set[str] = set()
+
+
+def _in_stage(ctx):
+    """The context config a pipeline stage runs: all-gather attention (see the module docstring)."""
+    if ctx.impl == "allgather":
+        return ctx
+    if ctx.impl not in _LOGGED:
+        _LOGGED.add(ctx.impl)
+        _log.warning("pipeline x context: attention inside a stage runs as all-gather, not %s (a ring's "
+                     "permutes cannot run inside the stage's branch; see eqgpt.parallel.pipeline.executor).",
+                     ctx.impl)
+    return dataclasses.replace(ctx, impl="allgather")
 
 
 def bubble_report(schedule: Schedule) -> str:
