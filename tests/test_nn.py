@@ -58,7 +58,7 @@ def test_unknown_names_raise():
 
 def test_shape_error_is_a_typecheck_error():
     attn = nn.Attention(32, 4, key=jax.random.key(0))
-    with pytest.raises(TypeCheckError, match="seq"):  # segment ids for 7 tokens, input of 6
+    with pytest.raises(ValueError, match="seq=6"):  # segment ids for 7 tokens, input of 6
         attn(jnp.ones((2, 6, 32)), segment_ids=jnp.zeros((2, 7), jnp.int32))
     with pytest.raises(TypeCheckError, match="batch seq embed"):
         attn(jnp.ones((6, 32)))

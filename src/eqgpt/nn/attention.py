@@ -128,8 +128,9 @@ class Attention(eqx.Module):
             object.__setattr__(new, f.name, kernel if f.name == "kernel" else getattr(self, f.name))
         return new
 
-    def output(self, o: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq embed"]:
-        """Merge heads and apply the output projection."""
+    def output(self, o: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch out_seq embed"]:
+        """Merge heads and apply the output projection (`out_seq` is `seq`, or under manual
+        sequence parallelism this device's shard of it: its output projection reduce-scatters)."""
         b, t = o.shape[:2]
         o = self.shard(o, ("batch", "inner_seq", "heads", "head_dim"))
         y = checkpoint_name(self.o_proj(o.reshape(b, t, -1)), "attn_out")
@@ -139,9 +140,9 @@ class Attention(eqx.Module):
         self,
         x: Float[Array, "batch seq embed"],
         *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, "batch seq"] | None = None,
-        doc_positions: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, " total_seq"] | None = None,
+        segment_ids: Int[Array, "batch total_seq"] | None = None,
+        doc_positions: Int[Array, "batch total_seq"] | None = None,
     ) -> Float[Array, "batch seq embed"]:
         """**Arguments:**
 
@@ -154,6 +155,12 @@ class Attention(eqx.Module):
 
         **Returns:** the attention output, shaped like `x`.
         """
+        x = self.shard(x, ("batch", "inner_seq", "embed"))  # a tensor-parallel region starts here
+        # Inside the region the sequence is whole (under sequence parallelism the hook gathered it).
+        for name, arr in (("positions", positions), ("segment_ids", segment_ids), ("doc_positions", doc_positions)):
+            if arr is not None and arr.shape[-1] != x.shape[1]:
+                raise ValueError(f"Attention: {name} cover {arr.shape[-1]} positions but the input has seq="
+                                 f"{x.shape[1]}; give one entry per token.")
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         q, k, v = self.project(x, positions if doc_positions is None else doc_positions)
         o = get_kernel(self.kernel)(

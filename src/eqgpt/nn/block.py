@@ -57,9 +57,9 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "batch seq embed"],
         *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, "batch seq"] | None = None,
-        doc_positions: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, " total_seq"] | None = None,
+        segment_ids: Int[Array, "batch total_seq"] | None = None,
+        doc_positions: Int[Array, "batch total_seq"] | None = None,
     ) -> Float[Array, "batch seq embed"]:
         """**Arguments:** activations `x`, global `positions`, optional `segment_ids` and
         per-row `doc_positions` (for RoPE; see `Attention`).

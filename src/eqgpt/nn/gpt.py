@@ -97,8 +97,11 @@ class GPT(eqx.Module):
         tokens: Int[Array, "batch seq"],
         positions: Int[Array, " seq"],
         doc_positions: Int[Array, "batch seq"] | None = None,
-    ) -> Float[Array, "batch seq embed"]:
+    ) -> Float[Array, "batch local_seq embed"]:
         """Token embeddings plus learned position embeddings (when the model has them).
+
+        The result holds the whole sequence, or this device's shard of it under manual
+        sequence parallelism (the embeddings' parallel forms split it).
 
         `doc_positions` (per row, restarting at each packed document) replace `positions` here.
         """
@@ -110,11 +113,15 @@ class GPT(eqx.Module):
     def run_blocks(
         self,
         x: Float[Array, "batch seq embed"],
-        positions: Int[Array, " seq"],
-        segment_ids: Int[Array, "batch seq"] | None = None,
-        doc_positions: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, " total_seq"],
+        segment_ids: Int[Array, "batch total_seq"] | None = None,
+        doc_positions: Int[Array, "batch total_seq"] | None = None,
     ) -> Float[Array, "batch seq embed"]:
-        """Apply every layer in turn with `jax.lax.scan` over the stacked blocks."""
+        """Apply every layer in turn with `jax.lax.scan` over the stacked blocks.
+
+        `positions` and the other per-token inputs cover the whole sequence, even
+        where `x` holds a shard of it (manual sequence parallelism).
+        """
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         extra = {} if doc_positions is None else {"doc_positions": doc_positions}  # user blocks need not take it
 
@@ -132,7 +139,7 @@ class GPT(eqx.Module):
         positions: Int[Array, " seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
         doc_positions: Int[Array, "batch seq"] | None = None,
-    ) -> Float[Array, "batch seq embed"]:
+    ) -> Float[Array, "batch local_seq embed"]:
         """Final-norm hidden states: everything but the head.
 
         `positions` (`[seq]`, default `0..seq-1`) index the sequence for the masks;
