@@ -9,10 +9,12 @@ import itertools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqgpt
 from eqgpt import nn
+from eqgpt.data import Batch
 from eqgpt.parallel import make_mesh
 from eqgpt.parallel.pipeline import (
     Action,
@@ -139,9 +141,9 @@ def _model(layers):
     return eqx.filter_eval_shape(lambda k: nn.GPT(cfg, key=k), jax.random.key(0))
 
 
-def _batch(b):
-    z = jax.ShapeDtypeStruct((b, 16), jnp.int32)
-    return {"tokens": z, "targets": z}
+def _batch(b, **fields):
+    z = np.zeros((b, 16), np.int32)
+    return Batch(z, z, **fields)
 
 
 def test_layers_not_divisible_by_stages_names_valid_choices():
@@ -164,7 +166,25 @@ def test_mesh_and_schedule_must_agree():
         pipeline_grad_fn(make_mesh("pipeline=4,data=2"), one_f_one_b(2, 4))
     with pytest.raises(ValueError, match="needs microbatches"):
         pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b")
-    with pytest.raises(ValueError, match="context parallelism"):
+    with pytest.raises(ValueError, match=r"no context attention; pass context=ContextConfig"):
         pipeline_grad_fn(make_mesh("pipeline=4,context=2"), "1f1b", 4)
     with pytest.raises(ValueError, match="divisible by the 4 stages"):
         pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "interleaved", 6)
+
+
+def test_pipeline_takes_a_batch_and_a_language_model():
+    """Clear errors before tracing: the batch type, per-row positions, the model protocol."""
+    fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b", 4)
+    with pytest.raises(ValueError, match="eqgpt.data.Batch"):
+        fn(_model(4), {"tokens": np.zeros((8, 16), np.int32), "targets": np.zeros((8, 16), np.int32)})
+    with pytest.raises(ValueError, match="positions"):
+        fn(_model(4), _batch(8, positions=np.zeros((8, 16), np.int32)))
+
+    class NoHead(eqx.Module):
+        blocks: jax.Array
+
+        def embed(self, tokens, positions):
+            return tokens
+
+    with pytest.raises(ValueError, match=r"NoHead does not satisfy eqgpt.nn.LanguageModel.*'run_blocks'"):
+        fn(NoHead(jnp.zeros((4, 2))), _batch(8))
