@@ -22,11 +22,12 @@ while the activations of norms and residuals shrink `n` times.
 
 Weights kept whole on every device (norm scales, biases of row-parallel outputs,
 position embeddings) now see different tokens on each device, so their gradients
-are partial and are summed over `tensor`; `eqgpt.parallel.data.manual_grad_fn`
+are partial and are summed over `tensor`; `eqgpt.parallel.manual.manual_grad_fn`
 does that sum explicitly, as Megatron does for its norm weights under SP.
 
-The operators here act on the `seq` dimension (1) of `[batch, seq, ...]` arrays;
-`tensor_parallel(..., sequence_parallel=True)` uses them in place of `f` and `g`.
+The operators here act on the `seq` dimension (1 by default) of `[batch, seq, ...]`
+arrays; `eqgpt.parallel.tensor` uses them in place of `f` and `g` (this module
+imports nothing of it: no cycle).
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ def gather_sequence(
     return all_gather(x, axis, dim=1)
 
 
-def scatter_sequence(
-    x: Shaped[Array, "batch seq *rest"], axis: AxisName
-) -> Shaped[Array, "batch seq_shard *rest"]:
+def scatter_sequence(x: Shaped[Array, "..."], axis: AxisName, *, dim: int = 1) -> Shaped[Array, "..."]:
     """Sum partial results over `axis` and keep this device's sequence shard: `[b, T, ...]` -> `[b, T/n, ...]`.
+
+    `dim` is the sequence dimension (1 for `[batch, seq, ...]`).
 
     **Bytes per device:** `(n-1)/n * |[b, T, ...]|`. **Gradient:** all-gather on `seq`.
     """
-    return reduce_scatter(x, axis, dim=1)
+    return reduce_scatter(x, axis, dim=dim)
 
 
 def shard_sequence(x: Shaped[Array, "batch seq *rest"], axis: AxisName) -> Shaped[Array, "batch seq_shard *rest"]:
@@ -75,13 +76,3 @@ def check_sequence_length(seq_len: int, size: int) -> None:
             f"sequence parallelism splits the sequence over {size} devices, but the batch has "
             f"{seq_len} positions; use a sequence length divisible by {size}."
         )
-
-
-def sequence_parallel(module, *, size: int, axis: str = "tensor"):
-    """`tensor_parallel(module, size=size, axis=axis, sequence_parallel=True)`.
-
-    **Returns:** the wrapped module, to run inside `shard_map` on sequence shards.
-    """
-    from eqgpt.parallel.tensor import tensor_parallel
-
-    return tensor_parallel(module, size=size, axis=axis, sequence_parallel=True)

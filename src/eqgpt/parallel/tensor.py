@@ -1,11 +1,30 @@
-"""Manual Megatron tensor parallelism (TP): wrappers around `eqgpt.nn` modules.
+"""Manual Megatron tensor parallelism (TP) by swapping leaf layers.
 
 Everything here runs *inside* `jax.shard_map`, on the local blocks of the weights
 laid out by `tensor_parallel_specs` (the automatic path's `tp` rules): each device
 of the `tensor` axis holds `1/n` of the attention heads, of the MLP width and of
-the vocabulary. The model code is unchanged: `tensor_parallel(model, size=n)`
-swaps its `Attention`, `MLP`/`SwiGLU`, token `Embedding` and vocabulary head for
-wrappers holding the very same modules, whose forward passes say every collective.
+the vocabulary. `tensor_parallel(model, size=n)` swaps **leaf layers only**, and
+only for the duration of the traced loss (the stored model never changes):
+
+- a `Linear` whose *output* axis is a tensor-parallel name (`heads`, `kv_heads`,
+  `mlp`, `vocab`) becomes a `ColumnParallelLinear`: this device's columns, no
+  communication forward;
+- a `Linear` whose *input* axis is one becomes a `RowParallelLinear`: a partial
+  product, summed by `g` (all-reduce; under SP a reduce-scatter on `seq`), then
+  the bias once;
+- the vocabulary `Embedding` becomes a `VocabParallelEmbedding` (owned rows, then
+  `g`; `attend` gives this device's vocabulary slice of the tied head);
+- with fewer kv heads than devices (GQA), `k_proj`/`v_proj` are replicated and
+  become `ReplicatedKVLinear`s that compute the one kv head the device's query
+  heads read;
+- every activation hook becomes a `TensorRegionHook`, which enters the
+  tensor-parallel region where a module says so, `self.shard(x, ("batch",
+  "inner_seq", "embed"))`: Megatron's `f` (identity forward, all-reduce
+  backward), or under SP an all-gather of the sequence shards. Every other hook
+  is the identity.
+
+The forward code of `Attention`, `MLP`, `SwiGLU`, `Block`, `GPT` and of a user's
+modules built from `eqgpt.nn.Linear` runs unchanged on the local shards.
 
 Megatron's two operators join a replicated activation to a tensor-parallel region:
 
@@ -22,32 +41,28 @@ on `seq` and `g` a reduce-scatter (`eqgpt.parallel.sequence`).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqgpt.nn.attention import Attention
+from eqgpt.nn.axes import AxisNames, map_constraints
 from eqgpt.nn.embedding import Embedding
-from eqgpt.nn.kernels import get_kernel
-from eqgpt.nn.linear import Linear
+from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
-from eqgpt.nn.mlp import MLP, SwiGLU
-from eqgpt.nn.rope import apply_rope
-from eqgpt.parallel.collectives import (
-    AxisName,
-    all_gather,
-    all_reduce,
-    axis_index,
-    axis_size,
-    to_varying,
-)
+from eqgpt.parallel.auto import param_specs, path_str
+from eqgpt.parallel.collectives import AxisName, all_reduce, axis_index, axis_size, to_varying
 from eqgpt.parallel.rules import TP, Rules
-from eqgpt.parallel.sequence import gather_sequence, scatter_sequence, shard_sequence
-from eqgpt.parallel.shard import path_str
-from eqgpt.parallel.shard_map import specs_from_rules
+from eqgpt.parallel.sequence import check_sequence_length, gather_sequence, scatter_sequence
+
+#: Logical weight names split over the tensor axis (the `tp` rules).
+TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "vocab")
+#: The activation names a module gives its input to say "a tensor-parallel region starts here".
+REGION_INPUT: AxisNames = ("batch", "inner_seq", "embed")
 
 # ------------------------------------------------------------------ Megatron's f and g
 
@@ -73,34 +88,75 @@ def enter_region(x: Array, axis: AxisName, sequence_parallel: bool) -> Array:
     return gather_sequence(x, axis) if sequence_parallel else copy_to_tensor(x, axis)
 
 
-def exit_region(y: Array, axis: AxisName, sequence_parallel: bool) -> Array:
+def exit_region(y: Array, axis: AxisName, sequence_parallel: bool, *, seq_dim: int = 1) -> Array:
     """Out of a tensor-parallel region: `g`, or under SP a reduce-scatter onto sequence shards."""
-    return scatter_sequence(y, axis) if sequence_parallel else reduce_from_tensor(y, axis)
+    return scatter_sequence(y, axis, dim=seq_dim) if sequence_parallel else reduce_from_tensor(y, axis)
 
 
 def _check_axis(axis: AxisName, size: int, what: str) -> None:
     if axis_size(axis) != size:
         raise ValueError(
-            f"{what} was wrapped for {size} devices but runs on axis {axis!r} of size "
-            f"{axis_size(axis)}; wrap it with size={axis_size(axis)}."
+            f"{what} was swapped for {size} devices but runs on axis {axis!r} of size "
+            f"{axis_size(axis)}; call tensor_parallel with size={axis_size(axis)}."
         )
+
+
+class TensorRegionHook(eqx.Module):
+    """The activation hook of the manual path: enters a tensor-parallel region.
+
+    Called with `REGION_INPUT` names (`("batch", "inner_seq", "embed")`, at the input
+    of `Attention`, `MLP`, `SwiGLU`) it applies `f`, or under SP all-gathers the
+    sequence; any other names pass `x` through (inside `shard_map` every axis is
+    manual, so there is nothing to constrain).
+    """
+
+    axis: str = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True, default=False)
+    _is_constraint: ClassVar[bool] = True
+
+    def __call__(self, x: Array, names: AxisNames) -> Array:
+        if x.ndim != len(names):
+            raise ValueError(f"activation of shape {x.shape} given {len(names)} axis names {names}.")
+        if tuple(names) == REGION_INPUT:
+            return enter_region(x, self.axis, self.sequence_parallel)
+        return x
 
 
 # ---------------------------------------------------------------- linear layers
 
 
+def _check_whole_sequence(x: Array, seq_len: int | None, where: str) -> None:
+    """Under SP a column-parallel layer must see the whole sequence: its module entered the region."""
+    if seq_len is None or x.ndim < 3 or x.shape[-2] == seq_len:
+        return
+    module = where.rpartition(".")[0] or "its module"
+    raise ValueError(
+        f"{where}: this tensor-parallel (column) Linear got {x.shape[-2]} positions but the sequence has "
+        f"{seq_len}. Under sequence parallelism the residual stream holds only this device's slice of the "
+        f"sequence, so `{module}` must gather it where its tensor-parallel region starts: call "
+        f'`x = self.shard(x, ("batch", "inner_seq", "embed"))` at the input of `{module}` (with a field '
+        "`shard: eqgpt.nn.NoConstraint`), or train without sequence parallelism (drop `sp`)."
+    )
+
+
 class ColumnParallelLinear(eqx.Module):
     """A `Linear` whose output features are split over `axis`: `y_i = f(x) @ W[:, cols_i] + b_i`.
 
-    The input is whole on every device; each device computes its own output
-    columns; no forward communication. Backward, `f` all-reduces the input gradient.
+    The input is whole on every device (the region was entered); each device
+    computes its own output columns; no forward communication. Backward, `f`
+    all-reduces the input gradient (a no-op here if the region's hook already
+    applied it, so q, k and v share one all-reduce). Under SP, `seq_len` is the
+    whole sequence length the input must have (else a `ValueError` naming `where`).
     """
 
     linear: Linear
     axis: str = eqx.field(static=True)
+    where: str = eqx.field(static=True, default="")
+    seq_len: int | None = eqx.field(static=True, default=None)
 
     def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch out_shard"]:
         """**Arguments:** `x`, whole. **Returns:** this device's output columns."""
+        _check_whole_sequence(x, self.seq_len, self.where)
         return self.linear(copy_to_tensor(x, self.axis))
 
 
@@ -109,7 +165,8 @@ class RowParallelLinear(eqx.Module):
 
     Each device multiplies its slice of the input features by its rows of the
     weight, giving a partial sum of the output; `g` (or, under SP, a
-    reduce-scatter) adds the partials. The bias is added once, after the sum.
+    reduce-scatter on `seq`, the dimension before the features) adds the
+    partials. The bias is added once, after the sum.
     """
 
     linear: Linear
@@ -117,15 +174,13 @@ class RowParallelLinear(eqx.Module):
     sequence_parallel: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Float[Array, "*batch in_shard"]) -> Float[Array, "*batch out_features"]:
-        """**Arguments:** `x`, this device's input features. **Returns:** the full output."""
-        partial = jnp.matmul(x, self.linear.weight.astype(x.dtype))
-        y = exit_region(partial, self.axis, self.sequence_parallel)
+        """**Arguments:** `x`, this device's input features. **Returns:** the full output
+        (under SP this device's sequence shard of it)."""
+        partial = matmul_2d(x, self.linear.weight.astype(x.dtype))
+        y = exit_region(partial, self.axis, self.sequence_parallel, seq_dim=x.ndim - 2)
         if self.linear.bias is not None:
             y = y + self.linear.bias.astype(y.dtype)
         return y
-
-
-# --------------------------------------------------------------------- attention
 
 
 def kv_replicated(num_kv_heads: int, size: int) -> bool:
@@ -133,112 +188,47 @@ def kv_replicated(num_kv_heads: int, size: int) -> bool:
     return num_kv_heads < size
 
 
-class TensorParallelAttention(eqx.Module):
-    """`Attention` with its heads split over `axis` (Megatron).
+class ReplicatedKVLinear(eqx.Module):
+    """`k_proj`/`v_proj` of an `Attention` with fewer kv heads than devices (GQA).
 
-    Device `i` holds query heads `[i h/n, (i+1) h/n)`: columns of `q_proj`, rows
-    of `o_proj`. Key/value heads are split the same way when there are at least
-    `n` of them; with fewer (GQA, `n % kv_heads == 0`) each device keeps all of
-    `k_proj`/`v_proj` and computes only the one kv head its query heads read, at
-    a device-dependent offset; that weight goes through `f`, so its gradient is
-    all-reduced over `axis`.
+    Every device holds the whole weight and computes only the kv head its query
+    heads read: group `index // (n / kv_heads)`, at a device-dependent column
+    offset. The weight passes through `f`, so its gradient is all-reduced over
+    `axis` (each device contributes the slice it used).
     """
 
-    attn: Attention
+    linear: Linear
     axis: str = eqx.field(static=True)
     size: int = eqx.field(static=True)
-    sequence_parallel: bool = eqx.field(static=True, default=False)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    where: str = eqx.field(static=True, default="")
+    seq_len: int | None = eqx.field(static=True, default=None)
 
-    def _kv(self, lin: Linear, x: Array) -> Array:
-        a = self.attn
-        if not kv_replicated(a.num_kv_heads, self.size):
-            return ColumnParallelLinear(lin, self.axis)(x)
-        group = axis_index(self.axis) // (self.size // a.num_kv_heads)
-        w = copy_to_tensor(lin.weight, self.axis)
-        w = jax.lax.dynamic_slice_in_dim(w, group * a.head_dim, a.head_dim, axis=-1)
-        y = jnp.matmul(x, w.astype(x.dtype))
+    def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch head_dim"]:
+        """**Arguments:** `x`, whole. **Returns:** the one kv head of this device's query heads."""
+        _check_axis(self.axis, self.size, self.where or "ReplicatedKVLinear")
+        _check_whole_sequence(x, self.seq_len, self.where)
+        start = axis_index(self.axis) // (self.size // self.num_kv_heads) * self.head_dim
+        lin = copy_to_tensor(self.linear, self.axis)
+        w = jax.lax.dynamic_slice_in_dim(lin.weight, start, self.head_dim, axis=-1)
+        y = matmul_2d(copy_to_tensor(x, self.axis), w.astype(x.dtype))
         if lin.bias is not None:
-            b = jax.lax.dynamic_slice_in_dim(copy_to_tensor(lin.bias, self.axis), group * a.head_dim, a.head_dim)
-            y = y + b.astype(y.dtype)
+            y = y + jax.lax.dynamic_slice_in_dim(lin.bias, start, self.head_dim).astype(y.dtype)
         return y
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq embed"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, "batch seq"] | None = None,
-    ) -> Float[Array, "batch seq embed"]:
-        """**Arguments:** as `Attention`: activations (a sequence shard under SP), global
-        `positions`, optional `segment_ids`. **Returns:** the output, shaped like `x`."""
-        _check_axis(self.axis, self.size, "TensorParallelAttention")
-        a, n = self.attn, self.size
-        if positions is None:
-            positions = jnp.arange(x.shape[1]) + (axis_index(self.axis) * x.shape[1] if self.sequence_parallel else 0)
-        if self.sequence_parallel:
-            positions = all_gather(positions, self.axis)
-            if segment_ids is not None:
-                segment_ids = gather_sequence(segment_ids, self.axis)
-        x = enter_region(x, self.axis, self.sequence_parallel)
-        b, t, _ = x.shape
-        heads = a.num_heads // n
-        kv_heads = 1 if kv_replicated(a.num_kv_heads, n) else a.num_kv_heads // n
-        q = checkpoint_name(ColumnParallelLinear(a.q_proj, self.axis)(x), "query_proj")
-        k = checkpoint_name(self._kv(a.k_proj, x), "key_proj")
-        v = checkpoint_name(self._kv(a.v_proj, x), "value_proj")
-        q = q.reshape(b, t, heads, a.head_dim)
-        k = k.reshape(b, t, kv_heads, a.head_dim)
-        v = v.reshape(b, t, kv_heads, a.head_dim)
-        if a.rope_theta is not None:
-            q = apply_rope(q, positions, a.rope_theta)
-            k = apply_rope(k, positions, a.rope_theta)
-        o = get_kernel(a.kernel)(
-            q, k, v, mask=a.mask, q_pos=positions, k_pos=positions, q_seg=segment_ids, k_seg=segment_ids
-        )
-        out = RowParallelLinear(a.o_proj, self.axis, self.sequence_parallel)(o.reshape(b, t, heads * a.head_dim))
-        return checkpoint_name(out, "attn_out")
 
-
-# --------------------------------------------------------------------------- MLP
-
-
-class TensorParallelMLP(eqx.Module):
-    """`MLP` or `SwiGLU` with its hidden width split over `axis`.
-
-    Up (and gate) projections are column-parallel, the down projection is
-    row-parallel; the elementwise activation needs no communication.
-    """
-
-    mlp: MLP | SwiGLU
-    axis: str = eqx.field(static=True)
-    size: int = eqx.field(static=True)
-    sequence_parallel: bool = eqx.field(static=True, default=False)
-
-    def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        """**Arguments:** activations (a sequence shard under SP). **Returns:** the output, shaped like `x`."""
-        _check_axis(self.axis, self.size, "TensorParallelMLP")
-        m = self.mlp
-        x = enter_region(x, self.axis, self.sequence_parallel)
-        if isinstance(m, SwiGLU):
-            g = checkpoint_name(ColumnParallelLinear(m.gate, self.axis)(x), "mlp_in")
-            u = checkpoint_name(ColumnParallelLinear(m.up, self.axis)(x), "mlp_in")
-            h = jax.nn.silu(g) * u
-        else:
-            h = jax.nn.gelu(checkpoint_name(ColumnParallelLinear(m.up, self.axis)(x), "mlp_in"), approximate=True)
-        y = RowParallelLinear(m.down, self.axis, self.sequence_parallel)(h)
-        return checkpoint_name(y, "mlp_out")
-
-
-# -------------------------------------------------------------------- vocabulary
+# -------------------------------------------------------------------- embeddings
 
 
 class VocabParallelEmbedding(eqx.Module):
     """A token `Embedding` whose rows (the vocabulary) are split over `axis`.
 
     Device `i` holds rows `[i V/n, (i+1) V/n)`. Lookup: each device returns its
-    rows for the ids it owns and zeros for the rest, and `g` (under SP, a
-    reduce-scatter on `seq`) sums them. `attend` is the tied output head: the
-    logits of this device's vocabulary slice.
+    rows for the ids it owns and zeros for the rest, and `g` sums them; under SP
+    a reduce-scatter on the sequence (the ids' last dimension) both sums them and
+    leaves this device's sequence shard, the residual stream's layout. `attend`
+    is the tied output head: the logits of this device's vocabulary slice.
     """
 
     embed: Embedding
@@ -254,23 +244,45 @@ class VocabParallelEmbedding(eqx.Module):
         """First vocabulary id held by this device."""
         return axis_index(self.axis) * self.shard_size
 
-    def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq dim"]:
-        """**Arguments:** token ids (a sequence shard under SP). **Returns:** their embeddings."""
+    def __call__(self, ids: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq_out dim"]:
+        """**Arguments:** whole token ids. **Returns:** their embeddings (under SP, this
+        device's sequence shard of them)."""
         _check_axis(self.axis, self.size, "VocabParallelEmbedding")
-        if self.sequence_parallel:
-            ids = all_gather(ids, self.axis, dim=1)  # int32 ids: b*T*4 bytes
         local = ids - self.vocab_start()
         owned = (local >= 0) & (local < self.shard_size)
         rows = jnp.take(self.embed.weight, jnp.clip(local, 0, self.shard_size - 1), axis=0)
         rows = jnp.where(owned[..., None], rows, jnp.zeros_like(rows))
-        return exit_region(rows, self.axis, self.sequence_parallel)
+        return exit_region(rows, self.axis, self.sequence_parallel, seq_dim=ids.ndim - 1)
 
     def attend(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab_shard"]:
         """Tied-head logits for this device's vocabulary slice: `f(x) @ W_i.T`.
 
         `x` must hold every position the logits are wanted for (under SP, gather first).
         """
-        return jnp.matmul(copy_to_tensor(x, self.axis), self.embed.weight.astype(x.dtype).T)
+        return matmul_2d(copy_to_tensor(x, self.axis), self.embed.weight.astype(x.dtype).T)
+
+
+class SequenceShardEmbedding(eqx.Module):
+    """Under SP, a non-vocabulary `Embedding` (learned positions) looks up this device's slice.
+
+    The residual stream holds a sequence shard, so the rows added to it are those
+    of this device's positions: the ids' last dimension is sliced (no
+    communication). The table is whole on every device; its gradient is summed
+    over `axis` by `manual_grad_fn`.
+    """
+
+    embed: Embedding
+    axis: str = eqx.field(static=True)
+
+    def __call__(self, ids: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq_shard dim"]:
+        """**Arguments:** whole ids (e.g. positions `0..T-1`). **Returns:** embeddings of this device's slice."""
+        n = axis_size(self.axis)
+        check_sequence_length(ids.shape[-1], n)
+        size = ids.shape[-1] // n
+        return self.embed(jax.lax.dynamic_slice_in_dim(ids, axis_index(self.axis) * size, size, axis=ids.ndim - 1))
+
+
+# ------------------------------------------------------------------------- loss
 
 
 def vocab_parallel_cross_entropy(
@@ -311,59 +323,64 @@ def vocab_parallel_loss_sums(
     loss_mask: Float[Array, "batch seq"] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
     chunk_size: int = 128,
+    axis: str = "tensor",
+    sequence_parallel: bool = False,
 ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
-    """Sums of the next-token NLL and of `lse^2`, and the token count, of a wrapped GPT.
+    """Sums of the next-token NLL and of `lse^2`, and the token count, of a swapped model.
 
-    Runs inside `shard_map` on a `tensor_parallel` GPT. Logits exist only as
-    `[batch, chunk, V/n]` slabs, one chunk of positions at a time inside a
-    checkpointed loop (as `eqgpt.nn.lm_loss`). Under SP the model sees this
-    device's sequence shard and the final hidden states are all-gathered before
-    the head (Megatron's layout).
+    Runs inside `shard_map` on a model returned by `tensor_parallel`, read through
+    the `eqgpt.nn.LanguageModel` protocol (`embed`, `run_blocks`, `norm`,
+    `logits`). The model sees the whole `tokens` and positions (under SP its
+    vocabulary embedding reduce-scatters onto this device's sequence shard, and
+    attention gathers the sequence where its region starts); the final hidden
+    states enter the head's region once (`f`, or under SP an all-gather). Logits
+    exist only as `[batch, chunk, V/n]` slabs, one chunk of positions at a time
+    (as `eqgpt.nn.lm_loss`), and never leave this device.
 
-    **Arguments:** the wrapped `model`, the whole `tokens`/`targets` (and optional
-    `loss_mask`, `segment_ids`) of this device's rows, `chunk_size`.
+    **Arguments:** the swapped `model`, the whole `tokens`/`targets` (and optional
+    `loss_mask`, `segment_ids`) of this device's rows, `chunk_size`, the tensor
+    `axis` and whether the model was swapped for `sequence_parallel`.
 
     **Returns:** `(nll_sum, z_sum, count)` over the rows, invariant over the tensor axis.
     """
-    embed = model.tok_embed
-    if not isinstance(embed, VocabParallelEmbedding):
-        raise ValueError("vocab_parallel_loss_sums needs a model wrapped by tensor_parallel(...).")
-    axis, sp = embed.axis, embed.sequence_parallel
-    t = tokens.shape[1]
-    positions = jnp.arange(t)
-    if sp:
-        seg = None if segment_ids is None else shard_sequence(segment_ids, axis)
-        hidden = model.features(
-            shard_sequence(tokens, axis), positions=shard_sequence(positions[None], axis)[0], segment_ids=seg
-        )
-        hidden = gather_sequence(hidden, axis)
-    else:
-        hidden = copy_to_tensor(model.features(tokens, segment_ids=segment_ids), axis)
-    head = embed.attend if model.head is None else model.head
-    start = embed.vocab_start()
-    return chunked_loss_sums(
-        head, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size,
-        cross_entropy=lambda logits, y: vocab_parallel_cross_entropy(logits, y, start, axis),
-    )
+    positions = jnp.arange(tokens.shape[1])
+    x = model.embed(tokens, positions)
+    hidden = model.norm(model.run_blocks(x, positions, segment_ids))
+    hidden = enter_region(hidden, axis, sequence_parallel)
+
+    def cross_entropy(logits, y):
+        return vocab_parallel_cross_entropy(logits, y, axis_index(axis) * logits.shape[-1], axis)
+
+    return chunked_loss_sums(model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size,
+                             cross_entropy=cross_entropy)
 
 
-# ------------------------------------------------------------------ wrapping
+# ------------------------------------------------------------------ swapping
 
 
-def _is_wrappable(x) -> bool:
-    return isinstance(x, Attention | MLP | SwiGLU | Embedding | Linear)
+def _tp_name(name) -> bool:
+    return name in TENSOR_PARALLEL_NAMES
 
 
-def _is_vocab_head(lin: Linear) -> bool:
-    return lin.axes[1] == "vocab"
+def _is_vocab_embedding(m) -> bool:
+    return isinstance(m, Embedding) and m.axes[0] == "vocab"
+
+
+_WHAT = {"heads": "attention width (heads)", "kv_heads": "kv width (kv heads)", "mlp": "MLP width",
+         "vocab": "vocabulary"}
+_FIX = {"mlp": "choose mlp_dim (hidden width) divisible by {size}", "vocab": "pad vocab_size to a multiple of {size}"}
 
 
 def check_tensor_parallel(module: PyTree, size: int) -> None:
-    """Raise `ValueError` if `module`'s heads, kv heads, MLP width or vocabulary do not split over `size`."""
+    """Raise `ValueError`, naming the module, if `module`'s heads, kv heads, MLP width or
+    vocabulary (any weight dimension with a tensor-parallel logical name) do not split over `size`.
+
+    Works on concrete and abstract (`eqx.filter_eval_shape`) models and on any part of one.
+    """
     if size < 1:
         raise ValueError(f"tensor-parallel size must be positive, got {size}.")
-    leaves = jax.tree_util.tree_flatten_with_path(module, is_leaf=_is_wrappable)[0]
-    for path, m in leaves:
+    is_leaf = lambda x: isinstance(x, Attention | Linear | Embedding)  # noqa: E731
+    for path, m in jax.tree_util.tree_flatten_with_path(module, is_leaf=is_leaf)[0]:
         where = path_str(path) or type(m).__name__
         if isinstance(m, Attention):
             if m.num_heads % size:
@@ -377,83 +394,97 @@ def check_tensor_parallel(module: PyTree, size: int) -> None:
                     f"{where}: {kv} kv heads neither split over {size} devices nor divide {size} "
                     "(for replication); use a tensor axis that divides or is a multiple of the kv heads."
                 )
-        elif isinstance(m, MLP | SwiGLU):
-            width = m.up.out_features
-            if width % size:
-                raise ValueError(
-                    f"{where}: MLP width {width} does not split over {size} tensor-parallel devices; "
-                    f"choose mlp_dim divisible by {size}."
-                )
-        elif (isinstance(m, Embedding) and m.axes[0] == "vocab") or (isinstance(m, Linear) and _is_vocab_head(m)):
-            num = m.num if isinstance(m, Embedding) else m.out_features
-            if num % size:
-                raise ValueError(
-                    f"{where}: vocabulary of {num} does not split over {size} tensor-parallel devices; "
-                    f"pad vocab_size to a multiple of {size}."
-                )
+            continue  # its projections split by whole heads, as checked
+        if not isinstance(m, Linear | Embedding):
+            continue
+        for name, dim in zip(m.axes, m.weight.shape[-2:], strict=True):
+            if _tp_name(name) and dim % size:
+                fix = _FIX.get(name, "use a tensor axis that divides it").format(size=size)
+                raise ValueError(f"{where}: {_WHAT[name]} {dim} does not split over {size} tensor-parallel "
+                                 f"devices; {fix}.")
 
 
-def tensor_parallel(module: PyTree, *, size: int, axis: str = "tensor", sequence_parallel: bool = False) -> PyTree:
-    """Wrap `module` (an `Attention`, `MLP`, `Block`, `GPT`, ...) for manual tensor parallelism.
+def tensor_parallel(
+    module: PyTree,
+    *,
+    size: int,
+    axis: str = "tensor",
+    sequence_parallel: bool = False,
+    seq_len: int | None = None,
+) -> PyTree:
+    """`module` with its leaf layers swapped for tensor-parallel forms, to run inside `shard_map`.
 
-    Every `Attention` becomes a `TensorParallelAttention`, every `MLP`/`SwiGLU` a
-    `TensorParallelMLP`, a vocabulary `Embedding` a `VocabParallelEmbedding` and a
-    vocabulary head `Linear` a `ColumnParallelLinear`; everything else (norms,
-    position embeddings, the code of `Block` and `GPT`) is kept. The result runs
-    inside `jax.shard_map` on weights laid out by `tensor_parallel_specs`.
+    Swaps (see the module docs): column-parallel `Linear`s (output axis `heads`,
+    `kv_heads`, `mlp` or `vocab`), row-parallel `Linear`s (input axis one of
+    those), the vocabulary `Embedding`, replicated kv projections of an
+    `Attention` with fewer kv heads than `size`, and every activation hook
+    (`TensorRegionHook`). Under SP also every other `Embedding` (positions: this
+    device's slice). Nothing else changes: the forward code of every module runs
+    as written, on the local blocks of weights laid out by `tensor_parallel_specs`.
 
     **Arguments:**
 
-    - `module`: the model or part of it (whole arrays or local blocks: only
+    - `module`: the model or any part of it (whole arrays or local blocks: only
       static sizes are read here).
-    - `size`: devices on the tensor axis.
-    - `axis`: the mesh axis name.
+    - `size`: devices on the tensor axis; `axis`: its mesh axis name.
     - `sequence_parallel`: the residual stream is split on `seq` (Megatron SP).
+    - `seq_len`: under SP, the whole sequence length; a column-parallel layer fed
+      anything else (a module that never entered its region) raises a
+      `ValueError` naming it.
 
-    **Returns:** the wrapped module. Raises `ValueError` when sizes do not split.
+    **Returns:** the swapped module. Raises `ValueError` when sizes do not split.
     """
     check_tensor_parallel(module, size)
+    if sequence_parallel and seq_len is None:
+        raise ValueError("tensor_parallel(..., sequence_parallel=True) needs seq_len, the whole sequence length "
+                         "(column-parallel layers check that their region gathered it).")
+    check = seq_len if sequence_parallel else None
 
-    def wrap(m):
-        if isinstance(m, Attention):
-            return TensorParallelAttention(m, axis, size, sequence_parallel)
-        if isinstance(m, MLP | SwiGLU):
-            return TensorParallelMLP(m, axis, size, sequence_parallel)
-        if isinstance(m, Embedding) and m.axes[0] == "vocab":
+    def swap_kv(path, m):
+        if not (isinstance(m, Attention) and kv_replicated(m.num_kv_heads, size)):
+            return m
+        where = path_str(path)
+        kv = lambda lin, name: ReplicatedKVLinear(  # noqa: E731
+            lin, axis, size, m.num_kv_heads, m.head_dim, f"{where}.{name}".lstrip("."), check)
+        return eqx.tree_at(lambda a: (a.k_proj, a.v_proj), m, (kv(m.k_proj, "k_proj"), kv(m.v_proj, "v_proj")))
+
+    def swap_leaf(path, m):
+        if isinstance(m, Linear):
+            if _tp_name(m.axes[1]):
+                return ColumnParallelLinear(m, axis, path_str(path), None if m.axes[1] == "vocab" else check)
+            if _tp_name(m.axes[0]):
+                return RowParallelLinear(m, axis, sequence_parallel)
+        elif _is_vocab_embedding(m):
             return VocabParallelEmbedding(m, axis, size, sequence_parallel)
-        if isinstance(m, Linear) and _is_vocab_head(m):
-            return ColumnParallelLinear(m, axis)
+        elif isinstance(m, Embedding) and sequence_parallel:
+            return SequenceShardEmbedding(m, axis)
         return m
 
-    return jax.tree.map(wrap, module, is_leaf=_is_wrappable)
+    module = jax.tree_util.tree_map_with_path(swap_kv, module, is_leaf=lambda x: isinstance(x, Attention))
+    leaf = lambda x: isinstance(x, Linear | Embedding | ReplicatedKVLinear)  # noqa: E731
+    module = jax.tree_util.tree_map_with_path(swap_leaf, module, is_leaf=leaf)
+    return map_constraints(module, lambda _path, _hook: TensorRegionHook(axis, sequence_parallel))
 
 
 def tensor_parallel_specs(module: PyTree, mesh: Mesh, *, axis: str = "tensor") -> PyTree:
-    """`PartitionSpec`s of `module`'s arrays for `tensor_parallel`, from the `tp` rules.
+    """`PartitionSpec`s of `module`'s arrays for `tensor_parallel`: the automatic path's `tp` rules.
 
-    The rules are the automatic path's (`heads`, `kv_heads`, `mlp`, `vocab` over
-    `axis`), except that kv projections are replicated whenever there are fewer kv
-    heads than devices: the manual attention keeps kv heads whole.
+    `heads`, `kv_heads`, `mlp`, `vocab` over `axis`; kv projections are replicated
+    whenever there are fewer kv heads than devices (the rules split whole heads
+    only), which is where `tensor_parallel` swaps in `ReplicatedKVLinear`.
 
     **Arguments:** `module` (concrete or abstract), `mesh`, `axis`.
 
     **Returns:** the module's structure with a `PartitionSpec` at each array leaf.
     """
-    size = mesh.shape[axis]
-    check_tensor_parallel(module, size)
-    rules = TP if axis == "tensor" else Rules(params={n: axis for n in ("heads", "kv_heads", "mlp", "vocab")})
-    specs = specs_from_rules(module, rules, mesh)
+    check_tensor_parallel(module, mesh.shape[axis])
+    rules = TP if axis == "tensor" else Rules(params={n: axis for n in TENSOR_PARALLEL_NAMES})
+    return param_specs(module, rules, mesh=mesh)
 
-    def fix(spec_module, m):
-        if isinstance(m, Attention) and kv_replicated(m.num_kv_heads, size):
-            for name in ("k_proj", "v_proj"):
-                for field in ("weight", "bias"):
-                    if getattr(getattr(m, name), field) is not None:
-                        spec = getattr(getattr(spec_module, name), field)
-                        spec_module = eqx.tree_at(
-                            lambda s, n=name, f=field: getattr(getattr(s, n), f), spec_module,
-                            PartitionSpec(*(None,) * len(spec)),
-                        )
-        return spec_module
 
-    return jax.tree.map(fix, specs, module, is_leaf=lambda x: isinstance(x, Attention))
+__all__ = [
+    "TENSOR_PARALLEL_NAMES", "REGION_INPUT", "copy_to_tensor", "reduce_from_tensor", "enter_region", "exit_region",
+    "TensorRegionHook", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedKVLinear", "kv_replicated",
+    "VocabParallelEmbedding", "SequenceShardEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_loss_sums",
+    "check_tensor_parallel", "tensor_parallel", "tensor_parallel_specs",
+]
