@@ -232,6 +232,42 @@ def test_zigzag_needs_a_multiple_of_2n():
         layout_positions(64, 4, "striped")
 
 
+def test_kernel_runs_per_device_where_context_is_manual_and_defers_on_one_device():
+    """Inside a `shard_map` that is already manual over `context` (as pipeline stages run),
+    the kernel computes on the local shards; on a context axis of size 1 it calls the
+    kernel it replaced."""
+    n = 4
+    mesh = make_mesh(MESHES[n])
+    q, k, v, _, segs = _inputs()
+    pos = jnp.asarray(layout_positions(T, n, "zigzag"))
+    lay = functools.partial(to_layout, size=n, ordering="zigzag")
+    kernel = ContextKernel(mesh, "allgather", block_q=BLOCK, block_k=BLOCK)
+
+    def local(q, k, v, p, s):
+        return kernel(q, k, v, mask=CausalMask(), q_pos=p, k_pos=p, q_seg=s, k_seg=s)
+
+    seq = P(None, "context")
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P("context"), seq), out_specs=seq,
+                           axis_names={"context"})
+    out = jax.jit(mapped)(lay(q), lay(k), lay(v), pos, lay(segs["documents"]))
+    docs = jnp.asarray(segs["documents"])
+    want = reference_attention(q, k, v, mask=CausalMask(), q_pos=jnp.arange(T), k_pos=jnp.arange(T),
+                               q_seg=docs, k_seg=docs)
+    np.testing.assert_allclose(from_layout(out, n), want, **TOL)
+
+    calls = []
+
+    def mine(q, k, v, **kw):
+        calls.append(q.shape)
+        return reference_attention(q, k, v, **kw)
+
+    one = ContextKernel(make_mesh("data=8"), "ring", replaces=mine)  # context=1: nothing to split
+    out = one(q, k, v, mask=CausalMask(), q_pos=jnp.arange(T), k_pos=jnp.arange(T))
+    assert calls == [q.shape]
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask=CausalMask(), q_pos=jnp.arange(T),
+                                                        k_pos=jnp.arange(T)), **TOL)
+
+
 def test_kernel_rejects_bad_configuration():
     mesh = make_mesh(MESHES[4])
     with pytest.raises(ValueError, match="ring"):

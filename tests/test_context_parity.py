@@ -20,6 +20,7 @@ from eqgpt.parallel import Strategy
 from eqgpt.parallel.context import (
     ContextConfig,
     ContextKernel,
+    context_kernels,
     context_rules,
     strip_context_attention,
     use_context_attention,
@@ -100,3 +101,28 @@ def test_grad_fn_checks_its_inputs_before_compiling():
         jax.eval_shape(grad_fn, plain, Batch.from_windows(np.zeros((8, 33), np.int32)))
     with pytest.raises(ValueError, match="'tp' rather than 'sp'"):
         context_rules("dp+sp")
+
+
+def test_context_attention_keeps_the_parameter_tree():
+    """Installing context attention swaps a static kernel: the same array paths, the very
+    same array objects; the replaced kernel (a user's callable too) comes back on strip."""
+    plain = reference_model("gpt")
+    mesh = par.make_mesh("context=4,data=2")
+    flat = lambda m: jax.tree_util.tree_flatten_with_path(eqx.filter(m, eqx.is_array))[0]  # noqa: E731
+    cp = use_context_attention(plain, mesh, ContextConfig("allgather", block=4))
+    assert [par.path_str(p) for p, _ in flat(cp)] == [par.path_str(p) for p, _ in flat(plain)]
+    assert all(a is b for (_, a), (_, b) in zip(flat(cp), flat(plain), strict=True))
+    (kernel,) = context_kernels(cp)
+    assert (kernel.impl, kernel.block_q, kernel.replaces) == ("allgather", 4, plain.blocks.attn.kernel)
+    again = use_context_attention(cp, mesh, "ring")  # over an installed one: still remembers the original
+    assert context_kernels(again)[0].impl == "ring" and context_kernels(again)[0].replaces == plain.blocks.attn.kernel
+    stripped = strip_context_attention(again)
+    assert stripped.blocks.attn.kernel == plain.blocks.attn.kernel and context_kernels(stripped) == []
+
+    def my_kernel(q, k, v, **kw):
+        return q
+
+    mine = eqx.tree_at(lambda m: m.blocks.attn, plain, plain.blocks.attn.with_kernel(my_kernel))
+    assert strip_context_attention(use_context_attention(mine, mesh)).blocks.attn.kernel is my_kernel
+    with pytest.raises(ValueError, match="no eqgpt.nn.Attention"):
+        use_context_attention({"w": np.zeros(3)}, mesh)
