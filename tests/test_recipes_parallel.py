@@ -20,7 +20,7 @@ import pytest
 import eqgpt
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-SMALL = eqgpt.preset("nano", seq_len=32, num_layers=2)  # wide enough that norms stay under 5% of the bytes
+SMALL = eqgpt.preset("nano", seq_len=32)  # big enough that norms and biases stay under 5% of the bytes
 STEPS = 2
 
 
@@ -90,5 +90,5 @@ def test_train_gpt_estimate_flag_prints_estimate_next_to_compiled(tmp_path, caps
             "--out-dir", str(tmp_path / "run")]
     run_recipe(load_recipe(), args)
     out = capsys.readouterr().out
-    assert "estimated memory per device (nothing compiled yet)" in out
-    assert "estimate vs compiled memory per device" in out and "compiled MiB" in out
+    first, compared = out.index("estimate MiB"), out.index("compiled MiB")  # the estimate comes before compiling
+    assert first < compared and "ratio" in out[compared:]
