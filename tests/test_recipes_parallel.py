@@ -92,3 +92,16 @@ def test_train_gpt_estimate_flag_prints_estimate_next_to_compiled(tmp_path, caps
     out = capsys.readouterr().out
     first, compared = out.index("estimate MiB"), out.index("compiled MiB")  # the estimate comes before compiling
     assert first < compared and "ratio" in out[compared:]
+
+
+def test_docs_figures_are_drawn_from_the_code(tmp_path, monkeypatch):
+    """`docs/gen_figures.py` draws the committed pictures from the schedule and layout tables."""
+    spec = importlib.util.spec_from_file_location("gen_figures", RECIPES.parent / "docs" / "gen_figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    monkeypatch.setattr(figures, "IMG", tmp_path)
+    written = figures.main()
+    assert [p.name for p in written] == ["pipeline_schedules.png", "context_layout.png"]
+    assert all((RECIPES.parent / "docs" / "img" / p.name).is_file() and p.stat().st_size > 10_000 for p in written)
+    work = figures.causal_blocks(16, 4, "zigzag")
+    assert (work.sum(0) == work.sum(0)[0]).all()  # zigzag balances causal work
