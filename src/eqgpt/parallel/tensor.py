@@ -131,11 +131,12 @@ def _check_whole_sequence(x: Array, seq_len: int | None, where: str) -> None:
         return
     module = where.rpartition(".")[0] or "its module"
     raise ValueError(
-        f"{where}: this tensor-parallel (column) Linear got {x.shape[-2]} positions but the sequence has "
-        f"{seq_len}. Under sequence parallelism the residual stream holds only this device's slice of the "
-        f"sequence, so `{module}` must gather it where its tensor-parallel region starts: call "
-        f'`x = self.shard(x, ("batch", "inner_seq", "embed"))` at the input of `{module}` (with a field '
-        "`shard: eqgpt.nn.NoConstraint`), or train without sequence parallelism (drop `sp`)."
+        f"{where}: this column-parallel Linear got {x.shape[-2]} positions but the sequence has {seq_len}: "
+        f"`{module}` never entered its tensor-parallel region. Under sequence parallelism the residual "
+        "stream holds only this device's slice of the sequence, and a region starts by gathering it: call "
+        f'`x = self.shard(x, ("batch", "inner_seq", "embed"))` at the input of `{module}` (a field '
+        "`shard: eqgpt.nn.NoConstraint`; one device and the automatic path are unchanged), or train "
+        "without sequence parallelism (drop `sp`)."
     )
 
 
