@@ -41,7 +41,7 @@ def lint(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the site (MkDocs + Material + mkdocstrings) offline with --strict into .nox/site/ (ignored);
     `nox -s docs -- snippets` also runs every code snippet in docs/ (tests/test_docs.py)."""
-    session.install("-e", ".[docs,test]")
+    session.install("-e", ".[docs,test]" if "snippets" in session.posargs else ".[docs]")
     if "snippets" in session.posargs:
         session.run("python", "-m", "pytest", "tests/test_docs.py", "-q")
     session.run("mkdocs", "build", "--strict", "--site-dir", ".nox/site", env={"NO_MKDOCS_2_WARNING": "1"})
