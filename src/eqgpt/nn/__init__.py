@@ -1,7 +1,7 @@
 """Typed Equinox modules for GPT models. Nothing here knows about devices."""
 
 from eqgpt.nn.attention import Attention, KVCache
-from eqgpt.nn.axes import LogicalAxes, NoConstraint, logical_axes, map_constraints
+from eqgpt.nn.axes import REGION_INPUT, LogicalAxes, NoConstraint, logical_axes, map_constraints
 from eqgpt.nn.block import Block
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.gpt import GPT, make_block
@@ -18,4 +18,5 @@ __all__ = [
     "LayerNorm", "RMSNorm", "Mask", "CausalMask", "DocumentMask", "FullMask",
     "SlidingWindowMask", "make_mask", "apply_rope", "make_block", "lm_loss",
     "chunked_cross_entropy", "chunked_loss_sums", "logical_axes", "map_constraints", "LogicalAxes", "NoConstraint",
+    "REGION_INPUT",
 ]

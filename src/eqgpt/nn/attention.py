@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqgpt.nn.axes import NoConstraint
+from eqgpt.nn.axes import REGION_INPUT, NoConstraint
 from eqgpt.nn.kernels import Kernel, get_kernel
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mask import CausalMask, Mask
@@ -155,7 +155,7 @@ class Attention(eqx.Module):
 
         **Returns:** the attention output, shaped like `x`.
         """
-        x = self.shard(x, ("batch", "inner_seq", "embed"))  # a tensor-parallel region starts here
+        x = self.shard(x, REGION_INPUT)  # a tensor-parallel region starts here
         # Inside the region the sequence is whole (under sequence parallelism the hook gathered it).
         for name, arr in (("positions", positions), ("segment_ids", segment_ids), ("doc_positions", doc_positions)):
             if arr is not None and arr.shape[-1] != x.shape[1]:

@@ -29,6 +29,9 @@ AxisNames = tuple[str | None, ...]
 
 WEIGHT_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
 ACTIVATION_AXES = WEIGHT_AXES + ("inner_seq",)
+# The names a module's input goes through where a tensor-parallel region (attention, an
+# MLP) starts: inside, the sequence is whole. Strategies act on this hook call.
+REGION_INPUT: tuple[str, ...] = ("batch", "inner_seq", "embed")
 
 
 class NoConstraint(eqx.Module):

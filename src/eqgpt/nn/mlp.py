@@ -7,7 +7,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqgpt.nn.axes import NoConstraint
+from eqgpt.nn.axes import REGION_INPUT, NoConstraint
 from eqgpt.nn.linear import Linear
 
 
@@ -35,7 +35,7 @@ class MLP(eqx.Module):
         self.shard = NoConstraint()
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        x = self.shard(x, ("batch", "inner_seq", "embed"))  # a tensor-parallel region starts here
+        x = self.shard(x, REGION_INPUT)  # a tensor-parallel region starts here
         h = checkpoint_name(self.up(x), "mlp_in")
         h = self.shard(jax.nn.gelu(h, approximate=True), ("batch", "inner_seq", "mlp"))
         y = checkpoint_name(self.down(h), "mlp_out")
@@ -68,7 +68,7 @@ class SwiGLU(eqx.Module):
         self.shard = NoConstraint()
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        x = self.shard(x, ("batch", "inner_seq", "embed"))  # a tensor-parallel region starts here
+        x = self.shard(x, REGION_INPUT)  # a tensor-parallel region starts here
         g = checkpoint_name(self.gate(x), "mlp_in")
         u = checkpoint_name(self.up(x), "mlp_in")
         h = self.shard(jax.nn.silu(g) * u, ("batch", "inner_seq", "mlp"))

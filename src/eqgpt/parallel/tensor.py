@@ -50,7 +50,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqgpt.nn.attention import Attention
-from eqgpt.nn.axes import AxisNames, map_constraints
+from eqgpt.nn.axes import REGION_INPUT, AxisNames, map_constraints
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
@@ -62,7 +62,6 @@ from eqgpt.parallel.sequence import check_sequence_length, gather_sequence, scat
 #: Logical weight names split over the tensor axis (the `tp` rules).
 TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "vocab")
 #: The activation names a module gives its input to say "a tensor-parallel region starts here".
-REGION_INPUT: AxisNames = ("batch", "inner_seq", "embed")
 
 # ------------------------------------------------------------------ Megatron's f and g
 
