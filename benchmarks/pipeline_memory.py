@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import eqgpt  # noqa: E402
 from eqgpt import nn  # noqa: E402
+from eqgpt.data import Batch  # noqa: E402
 from eqgpt.parallel import make_mesh  # noqa: E402
 from eqgpt.parallel.pipeline import lower, make_pipeline_schedule, pipeline_grad_fn  # noqa: E402
 
@@ -36,7 +37,7 @@ from eqgpt.parallel.pipeline import lower, make_pipeline_schedule, pipeline_grad
 def temp_bytes(mesh, schedule, model, microbatch: int, seq: int) -> int:
     d = mesh.shape["data"] * mesh.shape["fsdp"]
     shape = (schedule.num_microbatches * microbatch * d, seq)
-    batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    batch = Batch(jax.ShapeDtypeStruct(shape, jnp.int32), jax.ShapeDtypeStruct(shape, jnp.int32))
     return pipeline_grad_fn(mesh, schedule).temp_bytes(model, batch)
 
 

@@ -66,7 +66,8 @@ def corpus(tmp_path_factory) -> list[str]:
     rng = np.random.default_rng(0)
     for i in range(6):
         (root / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {j}\n" for j in rng.integers(0, 9, 60)))
-    return ["--data.corpus", str(root), "--data.cache-dir", str(root / "cache"), "--data.val-percent", "20"]
+    cache = tmp_path_factory.mktemp("token-cache")  # outside the corpus: its files are not text to train on
+    return ["--data.corpus", str(root), "--data.cache-dir", str(cache), "--data.val-percent", "20"]
 
 
 def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]:

@@ -335,7 +335,7 @@ class Strategy:
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import check_pipeline
 
-            check_pipeline(_num_layers(model_like), self.mesh, self.pipeline_schedule())
+            check_pipeline(_num_layers(model_like), self.mesh, self.pipeline_schedule(), context=self.context)
         if self.manual:
             from eqgpt.parallel.tensor import check_tensor_parallel
 
