@@ -182,6 +182,8 @@ class TrainConfig:
     """New tokens per sample (0: no samples)."""
     progress: bool = True
     """Show a progress bar."""
+    profile_steps: tuple[int, int] | None = None
+    """Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace (Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md."""
     log: Literal["jsonl", "tensorboard"] = "jsonl"
     """'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is always written."""
 
@@ -350,7 +352,7 @@ def main(cfg: TrainConfig) -> dict:
     trainer = Trainer(
         step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer, val_windows=val,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
-                             progress=cfg.progress, log=cfg.log,
+                             progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
                              bytes_per_token=None if val is None else bytes_per_token(corpus.tokenizer, val[:, 1:])),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.attention import KVCache
@@ -48,9 +49,11 @@ class Block(eqx.Module):
     def _forward(self, x, positions, segment_ids, doc_positions=None):
         x = self.shard(x, ("batch", "seq", "embed"))
         extra = {} if doc_positions is None else {"doc_positions": doc_positions}
-        x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, **extra)
+        with jax.named_scope("attention"):  # named in traces (eqgpt.profile.trace)
+            x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, **extra)
         x = self.shard(x, ("batch", "seq", "embed"))
-        x = x + self.mlp(self.mlp_norm(x))
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.mlp_norm(x))
         return self.shard(x, ("batch", "seq", "embed"))
 
     def __call__(

@@ -127,7 +127,8 @@ class GPT(eqx.Module):
 
         def layer(h, params):
             block = eqx.combine(params, static)
-            return block(h, positions=positions, segment_ids=segment_ids, **extra), None
+            with jax.named_scope("block"):
+                return block(h, positions=positions, segment_ids=segment_ids, **extra), None
 
         x, _ = jax.lax.scan(layer, x, dynamic)
         return x

@@ -104,8 +104,9 @@ def make_train_step(
         grad_fn = strategy.grad_fn(policy, z_loss=z_loss, model_like=model_like)
 
     def apply_update(grads, opt_state, params):
-        updates, new_opt = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_opt  # p + u in the wider dtype, rounded to p's
+        with jax.named_scope("optimizer"):  # named in traces (eqgpt.profile.trace)
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt  # p + u in the wider dtype, rounded to p's
 
     update = strategy.sharded_update(apply_update)
 
