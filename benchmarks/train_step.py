@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 import eqgpt
+from eqgpt.data.batch import Batch
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, measure_matmul_flops
 from eqgpt.train import SingleDevice, TrainState, make_optimizer, make_lr_schedule, make_train_step
@@ -33,8 +34,9 @@ def main():
     state = TrainState(model, placement.init_opt_state(opt, model), rng=jax.random.key(1))
     step = make_train_step(opt)
     rng = np.random.default_rng(0)
-    batches = [placement.batch(rng.integers(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1)).astype(np.int32))
-               for _ in range(args.steps + 1)]
+    batches = [placement.batch(Batch.from_windows(
+        rng.integers(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1)).astype(np.int32)))
+        for _ in range(args.steps + 1)]
 
     t0 = time.perf_counter()
     state, m = step(state, batches[0])
