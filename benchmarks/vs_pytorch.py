@@ -39,19 +39,21 @@ SIZES = {
 }
 
 
-def time_steps(step, steps: int) -> float:
-    """Median seconds of `steps` calls of `step()` after two warm-up calls."""
+def time_steps(step, steps: int) -> tuple[float, float]:
+    """Median wall seconds of `steps` calls of `step()` after two warm-up calls, and mean CPU seconds
+    (user + system, all threads of the process) per call."""
     step()
     step()
     times = []
+    cpu0 = time.process_time()
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median(times)), (time.process_time() - cpu0) / steps
 
 
-def run_eqgpt(size, steps: int, cache_dir: str) -> float:
+def run_eqgpt(size, steps: int, cache_dir: str) -> tuple[float, float]:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -140,7 +142,7 @@ def torch_model(size, sdpa: bool):
     return GPT()
 
 
-def run_torch(size, steps: int, sdpa: bool) -> float:
+def run_torch(size, steps: int, sdpa: bool) -> tuple[float, float]:
     import torch
 
     torch.manual_seed(0)
@@ -170,19 +172,20 @@ def run_torch(size, steps: int, sdpa: bool) -> float:
 def worker(args) -> None:
     size = SIZES[args.size]
     if args.worker == "eqgpt":
-        seconds = run_eqgpt(size, args.steps, args.cache_dir)
+        seconds, cpu = run_eqgpt(size, args.steps, args.cache_dir)
     else:
-        seconds = run_torch(size, args.steps, args.sdpa)
-    print(json.dumps({"seconds": seconds}))
+        seconds, cpu = run_torch(size, args.steps, args.sdpa)
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu}))
 
 
-def measure(which: str, size: str, args, cache_dir: str) -> float:
+def measure(which: str, size: str, args, cache_dir: str) -> tuple[float, float]:
     cmd = [sys.executable, __file__, "--worker", which, "--size", size, "--steps", str(args.steps),
            "--cache-dir", cache_dir] + (["--sdpa"] if args.sdpa else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"{which} worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["seconds"], result["cpu_seconds"]
 
 
 def main():
@@ -213,20 +216,26 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:  # eqgpt compiles once per size, then reads the cache
         for size in sizes:
-            eq, pt = [], []
+            eq, pt, eq_cpu, pt_cpu = [], [], [], []
             for _ in range(args.pairs):
-                eq.append(measure("eqgpt", size, args, cache_dir))
-                pt.append(measure("torch", size, args, cache_dir))
+                for which, wall, cpu in (("eqgpt", eq, eq_cpu), ("torch", pt, pt_cpu)):
+                    w, c = measure(which, size, args, cache_dir)
+                    wall.append(w)
+                    cpu.append(c)
             ratios = [a / b for a, b in zip(eq, pt)]
-            rows.append((size, SIZES[size], np.median(eq), np.median(pt), np.median(ratios), min(ratios), max(ratios)))
-            print(f"  {size}: eqgpt {[round(x * 1e3) for x in eq]} ms, PyTorch {[round(x * 1e3) for x in pt]} ms",
-                  flush=True)
+            cpu_ratio = float(np.median([a / b for a, b in zip(eq_cpu, pt_cpu)]))
+            rows.append((size, SIZES[size], np.median(eq), np.median(pt), np.median(ratios), min(ratios), max(ratios),
+                         cpu_ratio))
+            print(f"  {size}: eqgpt {[round(x * 1e3) for x in eq]} ms (CPU {[round(x * 1e3) for x in eq_cpu]}), "
+                  f"PyTorch {[round(x * 1e3) for x in pt]} ms (CPU {[round(x * 1e3) for x in pt_cpu]})", flush=True)
     print()
     print(f"{'size':<6} {'L':>2} {'H':>2} {'D':>4} {'T':>4} {'B':>3}  {'eqgpt ms':>9} {'torch ms':>9} "
-          f"{'eqgpt/torch':>11} {'(min-max)':>12}")
-    for size, (layers, heads, embed, seq, batch, _), eq, pt, r, lo, hi in rows:
+          f"{'eqgpt/torch':>11} {'(min-max)':>12} {'CPU-time ratio':>14}")
+    for size, (layers, heads, embed, seq, batch, _), eq, pt, r, lo, hi, cr in rows:
         print(f"{size:<6} {layers:>2} {heads:>2} {embed:>4} {seq:>4} {batch:>3}  {eq * 1e3:9.0f} {pt * 1e3:9.0f} "
-              f"{r:11.2f} {f'({lo:.2f}-{hi:.2f})':>12}")
+              f"{r:11.2f} {f'({lo:.2f}-{hi:.2f})':>12} {cr:14.2f}")
+    print("\neqgpt/torch: wall-time ratio per pair, median; CPU-time ratio: user + system seconds per step "
+          "(both use every core: on a busy machine the wall ratio moves with the load, the CPU ratio less).")
     return 0
 
 
