@@ -14,7 +14,7 @@ from eqgpt.train import Strategy, TrainState, make_train_step
 
 CONFIG = eqgpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=1, num_heads=4, embed_dim=32)
 # Named scopes the model and step put on their ops (`jax.named_scope`); each must reach the trace.
-SCOPES = ("loss",)
+SCOPES = ("block", "attention", "mlp", "loss", "optimizer")
 
 
 @pytest.fixture(scope="module")
