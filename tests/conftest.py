@@ -1,10 +1,8 @@
-"""Test set-up: 8 simulated CPU devices, runtime type checking of eqgpt, a compile cache.
+"""Test set-up: 8 simulated CPU devices and runtime type checking of eqgpt.
 
-All must happen before JAX or eqgpt is imported, so they live here. JAX's
-persistent compilation cache (in `.pytest_cache/xla`, shared by the xdist
-workers) lets a program that several tests build (the same step compiled by
-two recipe runs, say) compile once; a cached executable is the same program,
-with the same memory analysis.
+Both must happen before JAX or eqgpt is imported, so they live here. (JAX's
+persistent compilation cache is deliberately off: reading an entry another xdist
+worker was writing crashed a worker with a segmentation fault on jax 0.10.2.)
 """
 
 import os
@@ -18,9 +16,6 @@ from jaxtyping import install_import_hook  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
-_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla")
-jax.config.update("jax_compilation_cache_dir", os.environ.get("EQGPT_TEST_XLA_CACHE", _CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 with install_import_hook("eqgpt", "beartype.beartype"):
     import eqgpt  # noqa: F401
