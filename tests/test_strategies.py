@@ -9,17 +9,15 @@ with a `ValueError` before anything compiles.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tyro
+from recipe_runs import load_recipe
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 # A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
 # (tensor=4), 32 positions (zigzag over context=2, SP over tensor=4), batch 16
@@ -49,15 +47,7 @@ PORTABLE = ["single", "fsdp+tp", "context=2,fsdp=2,tensor=2 ring", "pipeline=2,d
             "manual data=2,tensor=4 sp"]
 
 
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("recipe_train_gpt_strategies", RECIPES / "train_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-RECIPE = load_recipe()
+RECIPE = load_recipe()  # recipes/train_gpt.py as a module (tests/recipe_runs.py)
 
 
 @pytest.fixture(scope="module")

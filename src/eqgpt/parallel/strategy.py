@@ -23,19 +23,18 @@ repeating the same work is a bug, not a configuration.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_loss
+from eqgpt.nn.protocol import num_layers
 from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
 from eqgpt.parallel.rules import Rules, preset_rules
@@ -335,7 +334,7 @@ class Strategy:
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import check_pipeline
 
-            check_pipeline(_num_layers(model_like), self.mesh, self.pipeline_schedule(), context=self.context)
+            check_pipeline(num_layers(model_like), self.mesh, self.pipeline_schedule(), context=self.context)
         if self.manual:
             from eqgpt.parallel.tensor import check_tensor_parallel
 
@@ -411,17 +410,4 @@ class Strategy:
                            manual=self.manual)
 
 
-def _num_layers(model_like: PyTree) -> int:
-    """Layers of a model whose `blocks` are stacked on a leading axis."""
-    leaves = [x for x in jax.tree.leaves(model_like.blocks) if hasattr(x, "shape")]
-    if not leaves:
-        raise ValueError("the model's `blocks` hold no arrays; a pipeline needs layers stacked on a leading axis.")
-    return int(np.shape(leaves[0])[0])
-
-
-def with_mesh(strategy: Strategy, mesh: Mesh) -> Strategy:
-    """The same strategy on another mesh."""
-    return dataclasses.replace(strategy, mesh=mesh)
-
-
-__all__ = ["Strategy", "PipelineConfig", "GradFn", "LossFn", "lm_batch_loss", "check_plain_positions", "with_mesh"]
+__all__ = ["Strategy", "PipelineConfig", "GradFn", "LossFn", "lm_batch_loss", "check_plain_positions"]
