@@ -17,6 +17,10 @@ TINY = ["--model.num-layers", "2", "--model.num-heads", "2", "--model.embed-dim"
 
 
 def load_recipe():
+    """`recipes/train_gpt.py` as a module, loaded once per process: a second load would replace
+    the `sys.modules` entry through which an earlier load's dataclasses resolve their annotations."""
+    if "recipe_train_gpt_data" in sys.modules:
+        return sys.modules["recipe_train_gpt_data"]
     spec = importlib.util.spec_from_file_location("recipe_train_gpt_data", RECIPES / "train_gpt.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules

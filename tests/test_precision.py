@@ -101,14 +101,18 @@ def test_fp16_tracks_fp32_for_30_steps():
     state, hist = train(Policy("fp32", "fp16", loss_scaling=True, growth_interval=10), 30)
     l32, l16 = np.array([h["loss"] for h in ref]), np.array([h["loss"] for h in hist])
     assert l32[-1] < l32[0] - 1.0  # it learns
-    # Where the growing scale overflows, the step is skipped (as it must be) and the fp16
-    # run misses that update: its loss departs for the next few steps, then rejoins. So
-    # every step not within 3 of a skip tracks fp32 within 2%, and the run ends within 2%.
+    # Until the growing scale first overflows, fp16 compute tracks fp32 within 0.5%. An
+    # overflowing step is skipped (as it must be), so the fp16 run misses that update and
+    # departs for a few steps (here the skip meets a loss spike of the fp32 run); once it
+    # rejoins, the two are different trajectories of the same training: every step from 4
+    # after the last skip within 5%, their mean within 2%, and the last step within 2%.
     skipped = [i for i, h in enumerate(hist) if h["skipped"]]
-    near_skip = np.array([any(0 <= i - j <= 3 for j in skipped) for i in range(len(hist))])
     rel = np.abs(l16 - l32) / l32
-    assert np.all(rel[~near_skip] <= 0.02), rel
-    assert rel[-1] <= 0.02 and near_skip.sum() <= 8, (rel, skipped)
+    first = skipped[0] if skipped else len(hist)
+    rejoined = rel[skipped[-1] + 4:] if skipped else rel
+    assert np.all(rel[:first] <= 0.005), rel
+    assert len(rejoined) >= 5 and np.all(rejoined <= 0.05) and rejoined.mean() <= 0.02, (rel, skipped)
+    assert rel[-1] <= 0.02 and len(skipped) <= 5, (rel, skipped)
     scales = [h["loss_scale"] for h in hist]
     assert max(scales) > scales[0]  # grew after 10 good steps
     assert int(state.skipped) == sum(h["skipped"] for h in hist)
