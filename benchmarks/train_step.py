@@ -17,7 +17,7 @@ import eqgpt
 from eqgpt.data.batch import Batch
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, measure_matmul_flops
-from eqgpt.train import SingleDevice, TrainState, make_optimizer, make_lr_schedule, make_train_step
+from eqgpt.train import SingleDevice, TrainState, make_lr_schedule, make_optimizer, make_train_step
 
 
 def main():

@@ -14,7 +14,7 @@ warm-up steps and reports the median. The ratio is eqgpt / PyTorch per pair, and
 the table shows the median of the pairs (3 by default).
 
 Needs PyTorch: `pip install 'eqgpt[bench]'`. Without it the script says so and exits 0.
-Run: `python benchmarks/vs_pytorch.py [--sizes issue,nano] [--pairs 3] [--steps 5]`.
+Run: `python benchmarks/vs_pytorch.py [--sizes issue,nano] [--pairs 3] [--steps 5] [--glibc-tunables]`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from eqgpt.launch import GLIBC_MALLOC_TUNABLES
 
 # name -> (layers, heads, embed, seq, batch, vocab)
 SIZES = {
@@ -181,7 +183,10 @@ def worker(args) -> None:
 def measure(which: str, size: str, args, cache_dir: str) -> tuple[float, float]:
     cmd = [sys.executable, __file__, "--worker", which, "--size", size, "--steps", str(args.steps),
            "--cache-dir", cache_dir] + (["--sdpa"] if args.sdpa else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if args.glibc_tunables:  # the same allocator settings for both frameworks (docs/profiling.md, "Page faults")
+        env["GLIBC_TUNABLES"] = GLIBC_MALLOC_TUNABLES
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode:
         raise RuntimeError(f"{which} worker failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -194,6 +199,8 @@ def main():
     p.add_argument("--pairs", type=int, default=3, help="alternating eqgpt/PyTorch pairs per size")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (after 2 warm-up steps)")
     p.add_argument("--sdpa", action="store_true", help="PyTorch attention by scaled_dot_product_attention")
+    p.add_argument("--glibc-tunables", action="store_true",
+                   help="run both workers with the malloc settings train_gpt.py uses (keep freed memory mapped)")
     p.add_argument("--worker", choices=("eqgpt", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
@@ -212,7 +219,7 @@ def main():
         p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     print(f"PyTorch {torch.__version__} ({torch.get_num_threads()} threads), attention "
           f"{'SDPA' if args.sdpa else 'written out'}; {args.pairs} alternating pairs, median of {args.steps} steps "
-          f"each; load average {os.getloadavg()[0]:.1f}")
+          f"each; load average {os.getloadavg()[0]:.1f}; GLIBC_TUNABLES {'set' if args.glibc_tunables else 'unset'}")
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:  # eqgpt compiles once per size, then reads the cache
         for size in sizes:
@@ -222,8 +229,8 @@ def main():
                     w, c = measure(which, size, args, cache_dir)
                     wall.append(w)
                     cpu.append(c)
-            ratios = [a / b for a, b in zip(eq, pt)]
-            cpu_ratio = float(np.median([a / b for a, b in zip(eq_cpu, pt_cpu)]))
+            ratios = [a / b for a, b in zip(eq, pt, strict=True)]
+            cpu_ratio = float(np.median([a / b for a, b in zip(eq_cpu, pt_cpu, strict=True)]))
             rows.append((size, SIZES[size], np.median(eq), np.median(pt), np.median(ratios), min(ratios), max(ratios),
                          cpu_ratio))
             print(f"  {size}: eqgpt {[round(x * 1e3) for x in eq]} ms (CPU {[round(x * 1e3) for x in eq_cpu]}), "

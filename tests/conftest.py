@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices and runtime type checking of eqgpt.
 
-Both must happen before JAX or eqgpt is imported, so they live here. (JAX's
+Both must happen before JAX or eqgpt is imported, so they live here. Compiled
+programs are released after each test module. (JAX's
 persistent compilation cache is deliberately off: reading an entry another xdist
 worker was writing crashed a worker with a segmentation fault on jax 0.10.2.)
 """
@@ -20,3 +21,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 with install_import_hook("eqgpt", "beartype.beartype"):
     import eqgpt  # noqa: F401
     import eqgpt.nn  # noqa: F401
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. An xdist worker otherwise keeps
+    every program of every module it ran, and XLA:CPU in jax 0.12 has crashed (segmentation
+    fault) compiling in such a long-lived process a step that compiles fine in a new one."""
+    yield
+    jax.clear_caches()

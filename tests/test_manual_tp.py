@@ -27,6 +27,7 @@ from eqgpt.parallel.manual import manual_grad_fn, manual_loss_fn, manual_placeme
 from eqgpt.parallel.shard_map import filter_shard_map, place
 from eqgpt.precision import Policy
 from eqgpt.profile import collectives
+from helpers import PARAM_ATOL
 from parallel_cases import (
     CONFIGS,
     OPTIMIZER,
@@ -63,7 +64,7 @@ def manual(name, mesh_spec, sp):
 def assert_arrays_close(got, want, what):
     assert got.keys() == want.keys()
     for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=NOISE_ONLY.get(path, 1e-6),
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=NOISE_ONLY.get(path, PARAM_ATOL),
                                    err_msg=f"{what}: {path}")
 
 

@@ -2,15 +2,14 @@
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eqgpt
 from eqgpt.data import Batch
-from eqgpt.nn import GPT
 from eqgpt.data.packing import PackedLoader, document_pieces, pack_documents, packing_efficiency
-from eqgpt.parallel.strategy import Strategy, lm_batch_loss
+from eqgpt.nn import GPT
+from eqgpt.parallel.strategy import lm_batch_loss
 
 SEQ = 32
 

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import PARAM_ATOL
 from parallel_cases import CONFIGS, reference_run, sharded_run
 
 CASES = [
@@ -38,7 +39,7 @@ def assert_same_training(ref, out):
     assert ref_losses[0] > ref_losses[-1] - 0.5 and len(losses) == 5
     assert arrays.keys() == ref_arrays.keys()
     for path, want in ref_arrays.items():
-        np.testing.assert_allclose(arrays[path], want, rtol=1e-5, atol=NOISE_ONLY.get(path, 1e-6), err_msg=path)
+        np.testing.assert_allclose(arrays[path], want, rtol=1e-5, atol=NOISE_ONLY.get(path, PARAM_ATOL), err_msg=path)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

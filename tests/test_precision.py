@@ -2,7 +2,6 @@
 weights, and the bf16 policy reaching the pipeline's compiled program."""
 
 import functools
-import inspect
 import re
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_continues():
     assert int(metrics["skipped"]) == 1 and int(after.skipped) == 1 and int(after.step) == 1
     assert float(after.loss_scale.scale) == pytest.approx(5e29)
     assert int(after.loss_scale.good_steps) == 0
-    for x, y in zip(jax.tree.leaves((after.model, after.opt_state)), jax.tree.leaves((bad.model, bad.opt_state))):
+    for x, y in zip(jax.tree.leaves((after.model, after.opt_state)), jax.tree.leaves((bad.model, bad.opt_state)), strict=True):
         if eqx.is_array(x):
             np.testing.assert_array_equal(x, y)  # nothing updated
     # At the policy's scale the same step is finite and updates.
@@ -156,7 +155,6 @@ def test_master_weights_keep_updates_bf16_parameters_would_lose():
 
 
 def test_pipeline_under_bf16_runs_in_bf16():
-    from eqgpt.parallel.pipeline import pipeline_grad_fn
 
     strategy = Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)
     m = strategy.place_model(model())

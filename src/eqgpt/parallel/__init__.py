@@ -6,19 +6,6 @@ loss/grad function. The automatic path lives here (`mesh`, `rules`, `shard`,
 `tensor`, `sequence`, `manual`, `context`, `pipeline`) and are imported from there.
 """
 
-from eqgpt.parallel.mesh import AXES, MeshConfig, make_mesh, mesh_config
-from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
-from eqgpt.parallel.rules import (
-    DP,
-    FSDP,
-    PRESET_RULES,
-    REPLICATED,
-    SP,
-    TP,
-    AxisTable,
-    Rules,
-    preset_rules,
-)
 from eqgpt.parallel.auto import (
     ShardingConstraint,
     batch_sharding,
@@ -31,11 +18,24 @@ from eqgpt.parallel.auto import (
     param_shardings,
     param_specs,
     path_str,
-    replicated_fraction,
-    rules_for,
     place_model,
     place_opt_state,
+    replicated_fraction,
+    rules_for,
     with_constraints,
+)
+from eqgpt.parallel.mesh import AXES, MeshConfig, make_mesh, mesh_config
+from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
+from eqgpt.parallel.rules import (
+    DP,
+    FSDP,
+    PRESET_RULES,
+    REPLICATED,
+    SP,
+    TP,
+    AxisTable,
+    Rules,
+    preset_rules,
 )
 from eqgpt.parallel.strategy import PipelineConfig, Strategy
 

@@ -36,7 +36,12 @@ from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.sequence import check_sequence_length
 from eqgpt.parallel.shard_map import filter_shard_map, is_spec
-from eqgpt.parallel.tensor import check_tensor_parallel, tensor_parallel, tensor_parallel_specs, vocab_parallel_loss_sums
+from eqgpt.parallel.tensor import (
+    check_tensor_parallel,
+    tensor_parallel,
+    tensor_parallel_specs,
+    vocab_parallel_loss_sums,
+)
 from eqgpt.precision import Policy
 
 TENSOR = "tensor"

@@ -19,8 +19,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from eqgpt.nn.axes import NoConstraint, map_constraints
 import eqgpt.parallel.auto as auto
+from eqgpt.nn.axes import NoConstraint, map_constraints
 from eqgpt.parallel.rules import Rules, preset_rules
 
 

@@ -22,8 +22,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.parallel.auto import param_specs
+from eqgpt.parallel.rules import Rules, preset_rules
 
 
 def is_spec(x: Any) -> bool:

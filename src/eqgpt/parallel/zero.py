@@ -54,7 +54,13 @@ from jaxtyping import Array, PyTree
 from eqgpt.nn.axes import NoConstraint, map_constraints
 from eqgpt.nn.loss import lm_loss
 from eqgpt.parallel.auto import param_specs
-from eqgpt.parallel.collectives import all_gather, all_reduce, axis_index, reduce_scatter, to_varying
+from eqgpt.parallel.collectives import (
+    all_gather,
+    all_reduce,
+    axis_index,
+    reduce_scatter,
+    to_varying,
+)
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules
 from eqgpt.parallel.shard_map import filter_shard_map, is_spec

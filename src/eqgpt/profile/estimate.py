@@ -36,7 +36,7 @@ from eqgpt.config import GPTConfig
 # Floats saved per token per layer for the backward pass (fp32 compute, remat="none"):
 # residual-width tensors (norm inputs/outputs, q/k/v, attention output, residuals),
 # MLP-width tensors (up projection, activation), and attention scores/probabilities.
-SAVED_D, SAVED_F, SAVED_S = 14, 6, 2
+SAVED_D, SAVED_F, SAVED_S = 14, 2, 2
 # One layer's working set in the backward pass (recomputed or not), per token.
 WORK_D, WORK_F, WORK_S = 6, 2, 3
 # The loss: one chunk of logits, their softmax and gradient, per token of the chunk.
@@ -212,9 +212,10 @@ def estimate(
     working = tokens * (WORK_D * d + WORK_F * f + WORK_S * h * seq) + rows * min(128, seq) / ctx * WORK_V * v
     if strategy.pipeline is not None:
         # The executor keeps only each in-flight microbatch's stage input and recomputes the
-        # chunk inside its backward branch: the chunk's residuals are working set, not saved.
+        # chunk inside its backward branch: there one microbatch's chunk residuals and their
+        # cotangents are live together, working set rather than saved.
         saved = layers * in_flight * tokens * d
-        working += layers * tokens * per_layer
+        working += 2 * layers * tokens * per_layer
 
     # ---- gradient buffers, and the compiler's reuse of activation buffers, by family:
     # one device (the update fuses into the backward pass); weights replicated on a mesh

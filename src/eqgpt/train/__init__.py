@@ -7,7 +7,14 @@ from eqgpt.train.export import load_model, save_model
 from eqgpt.train.optim import decay_mask, make_lr_schedule, make_optimizer
 from eqgpt.train.state import TrainState
 from eqgpt.train.step import accumulate, all_finite, make_train_step
-from eqgpt.train.trainer import History, Trainer, TrainerConfig, eval_batches, make_eval_fn, plot_history
+from eqgpt.train.trainer import (
+    History,
+    Trainer,
+    TrainerConfig,
+    eval_batches,
+    make_eval_fn,
+    plot_history,
+)
 
 __all__ = [
     "TrainState", "Policy", "Strategy", "Placement", "SingleDevice", "make_optimizer", "make_lr_schedule",

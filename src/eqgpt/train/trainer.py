@@ -22,13 +22,13 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
-from eqgpt.distributed import is_main_process
 from eqgpt.data.grain_source import Loader
+from eqgpt.distributed import is_main_process
 from eqgpt.parallel.placement import Placement
 from eqgpt.parallel.strategy import LossFn, Strategy
 from eqgpt.precision import Policy
-from eqgpt.train.preemption import StopSignal
 from eqgpt.train.logging import make_writer
+from eqgpt.train.preemption import StopSignal
 from eqgpt.train.state import TrainState
 
 

@@ -76,14 +76,15 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
 from einops import rearrange
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array
 
 from eqgpt.data.batch import Batch
 from eqgpt.nn.axes import NoConstraint, map_constraints
 from eqgpt.nn.loss import chunked_cross_entropy
 from eqgpt.nn.protocol import check_language_model, num_layers
+from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -102,7 +103,6 @@ from eqgpt.parallel.pipeline.lowering import (
     OP,
     lower,
 )
-from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.precision import Policy
