@@ -137,6 +137,8 @@ class TrainConfig:
     """Manual path: data, tensor and (with 'sp' in --strategy) sequence parallelism under shard_map with explicit collectives."""
     zero: Literal[0, 1, 2] = 0
     """ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also reduce-scatters gradients); see docs/parallelism/parameter-server.md."""
+    offload_opt_state: bool = False
+    """Keep the optimizer state in pinned host memory between steps (docs/memory.md)."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
@@ -192,7 +194,8 @@ class TrainConfig:
 def strategy_of(cfg: TrainConfig) -> Strategy:
     """The one object that says how this run is distributed (a single device without --mesh)."""
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
-                          virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual, zero=cfg.zero)
+                          virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
+                          offload_opt_state=cfg.offload_opt_state)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:

@@ -104,6 +104,8 @@ class Strategy:
     - `zero`: 1 or 2 to split the optimizer state over `data` while parameters stay
       replicated (ZeRO-1: gradients all-reduced; ZeRO-2: reduce-scattered); see
       `eqgpt.parallel.zero`.
+    - `offload_opt_state`: keep the optimizer state in pinned host memory between
+      steps (`eqgpt.parallel.offload`).
 
     Build from flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)`.
     """
@@ -115,9 +117,14 @@ class Strategy:
     manual: bool = False
     overrides: Mapping[str, Rules] | None = None
     zero: Literal[0, 1, 2] = 0
+    offload_opt_state: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "rules", preset_rules(self.rules))
+        if self.offload_opt_state:
+            from eqgpt.parallel.offload import check_host_memory
+
+            check_host_memory()
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero must be 0, 1 or 2 (ZeRO stage), got {self.zero!r}.")
         if self.mesh is None:
@@ -165,13 +172,14 @@ class Strategy:
         context: str | None = None,
         manual: bool = False,
         zero: Literal[0, 1, 2] = 0,
+        offload_opt_state: bool = False,
     ) -> Strategy:
         """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
 
         **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
         `rules` (presets joined by `+`), `pipeline` (a schedule name or `None`),
         `microbatches`, `virtual_stages`, `context` ("ring", "allgather" or `None`),
-        `manual`, `zero` (ZeRO stage 0, 1 or 2).
+        `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`.
         """
         pipe = PipelineConfig(pipeline, microbatches, virtual_stages) if pipeline else None
         ctx = None
@@ -179,7 +187,8 @@ class Strategy:
             from eqgpt.parallel.context import ContextConfig
 
             ctx = ContextConfig(impl=context)
-        return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero)
+        return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
+                   offload_opt_state=offload_opt_state)
 
     # ------------------------------------------------------------------ what it uses
 
@@ -205,8 +214,9 @@ class Strategy:
 
     def describe(self) -> str:
         """A one-line label: `fsdp+tp | pipeline 1f1b m=8 | context ring | manual`."""
+        offload = " | optimizer state on host" if self.offload_opt_state else ""
         if self.mesh is None:
-            return "single device"
+            return "single device" + offload
         parts = [self.rules.name]
         if self.pipeline:
             parts.append(f"pipeline {self.pipeline.schedule} m={self.pipeline.microbatches}")
@@ -216,7 +226,7 @@ class Strategy:
             parts.append(f"zero{self.zero}")
         if self.manual:
             parts.append("manual")
-        return " | ".join(parts)
+        return " | ".join(parts) + offload
 
     def __repr__(self) -> str:
         mesh = "one device" if self.mesh is None else ",".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1)
@@ -283,12 +293,36 @@ class Strategy:
         return self.prepare(self.placement_for(model).place_model(model))
 
     def init_opt_state(self, optimizer: Any, model: PyTree) -> PyTree:
-        """The optimizer state, each moment created next to its parameter."""
-        return self.placement_for(model).init_opt_state(optimizer, model)
+        """The optimizer state, each moment created next to its parameter (in host memory
+        with `offload_opt_state`)."""
+        return self._offloaded(self.placement_for(model).init_opt_state(optimizer, model))
 
     def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """An existing optimizer state moved next to its parameters."""
-        return self.placement_for(model).place_opt_state(opt_state, model)
+        return self._offloaded(self.placement_for(model).place_opt_state(opt_state, model))
+
+    def _offloaded(self, opt_state: PyTree) -> PyTree:
+        if not self.offload_opt_state:
+            return opt_state
+        from eqgpt.parallel.offload import place_on_host
+
+        return place_on_host(opt_state)
+
+    def fetch_opt_state(self, opt_state: PyTree) -> PyTree:
+        """Inside the step: the optimizer state where the update reads it (device memory)."""
+        if not self.offload_opt_state:
+            return opt_state
+        from eqgpt.parallel.offload import to_device
+
+        return to_device(opt_state)
+
+    def stash_opt_state(self, opt_state: PyTree) -> PyTree:
+        """Inside the step: the updated optimizer state where it lives between steps."""
+        if not self.offload_opt_state:
+            return opt_state
+        from eqgpt.parallel.offload import to_host
+
+        return to_host(opt_state)
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (a `Batch`): rows split as the strategy's loss expects."""

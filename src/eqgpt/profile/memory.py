@@ -6,6 +6,10 @@
   for the backward pass, gathered weights, fusion buffers).
 - `peak_bytes`: XLA's own peak figure where the backend reports one, else
   `argument + output - alias + temp` (an upper bound: live ranges are ignored).
+- `host_argument_bytes`: the inputs that live in host memory (`pinned_host`, e.g.
+  an offloaded optimizer state), read from the program's entry layout (memory
+  space `S(5)`), since the CPU backend counts them in `argument_bytes` too;
+  `device_argument_bytes` is the rest.
 
 The CPU backend reports the same buffer assignment the GPU/TPU compilers would
 make from the same HLO only approximately (fusion decisions differ), so treat CPU
@@ -15,6 +19,8 @@ alone and are exact on every backend.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +38,16 @@ class MemoryReport:
     code_bytes: int
     peak_bytes: int
     host_bytes: int
+    host_argument_bytes: int = 0
+
+    @property
+    def device_argument_bytes(self) -> int:
+        return self.argument_bytes - self.host_argument_bytes
 
     def rows(self) -> list[tuple[str, int]]:
         return [
-            ("arguments", self.argument_bytes), ("outputs", self.output_bytes),
+            ("arguments", self.argument_bytes), ("  of which in host memory", self.host_argument_bytes),
+            ("outputs", self.output_bytes),
             ("aliased (donated)", self.alias_bytes), ("temporaries", self.temp_bytes),
             ("generated code", self.code_bytes), ("peak (XLA estimate)", self.peak_bytes),
             ("host", self.host_bytes),
@@ -68,7 +80,27 @@ def memory(compiled: Any) -> MemoryReport:
     alias, temp = stats.alias_size_in_bytes, stats.temp_size_in_bytes
     peak = getattr(stats, "peak_memory_in_bytes", 0) or (arg + out - alias + temp)
     host = sum(getattr(stats, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp"))
-    return MemoryReport(arg, out, alias, temp, stats.generated_code_size_in_bytes, peak, host)
+    host_args = getattr(stats, "host_argument_size_in_bytes", 0)
+    if not host_args:  # the CPU backend counts host-memory inputs as arguments: read them off the layout
+        arg_host = _host_argument_bytes(_unwrap(compiled).as_text())
+        host_args, host = arg_host, host or arg_host
+    return MemoryReport(arg, out, alias, temp, stats.generated_code_size_in_bytes, peak, host, host_args)
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+
+
+def _host_argument_bytes(hlo_text: str) -> int:
+    """Bytes of the entry parameters whose layout puts them in host memory (`S(5)`)."""
+    match = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
+    if match is None:
+        return 0
+    total = 0
+    for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\]\{([^}]*)\}", match.group(1)):
+        if "S(5)" in layout:
+            total += _DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return total
 
 
 def memory_table(compiled: Any, *, title: str = "memory per device") -> str:

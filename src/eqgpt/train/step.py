@@ -118,10 +118,11 @@ def make_train_step(
         (loss, aux), grads = accumulate(scaled, state.model, batch, accum_steps)
         finite = jnp.isfinite(loss) & all_finite(grads)
         params = eqx.filter(state.model, eqx.is_array)
-        new_params, new_opt = update(grads, state.opt_state, params)
+        old_opt = strategy.fetch_opt_state(state.opt_state)  # from host memory if offloaded
+        new_params, new_opt = update(grads, old_opt, params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         model = eqx.combine(keep(new_params, params), eqx.filter(state.model, eqx.is_array, inverse=True))
-        opt_state = keep(new_opt, state.opt_state)
+        opt_state = strategy.stash_opt_state(keep(new_opt, old_opt))
         skipped = (~finite).astype(jnp.int32)
         loss_scale = None if state.loss_scale is None else state.loss_scale.adjust(finite)
         new_state = TrainState(model, opt_state, state.step + 1, rng=state.rng,
@@ -131,4 +132,7 @@ def make_train_step(
             metrics["loss_scale"] = state.loss_scale.scale
         return new_state, metrics
 
+    # An offloaded optimizer state is not donated: jax 0.10 aborts aliasing a pinned_host input
+    # buffer to the step's output, so under offload the step donates nothing.
+    donate = donate and not strategy.offload_opt_state
     return eqx.filter_jit(step, donate="all" if donate else "none")
