@@ -22,42 +22,43 @@ def group_queries(
 
 
 def _heads_first(x: Array) -> Array:
-    """`[b, t, g, r, d]` -> `[b * g, r * t, d]`, or `[b, s, g, d]` -> `[b * g, s, d]`: one batch
-    dimension, so every attention matmul is a plain batched GEMM (XLA:CPU runs a matmul with
-    several batch dimensions, and its gradient, far slower)."""
+    """`[b, t, g, r, d]` -> `[b, g, r * t, d]`, or `[b, s, g, d]` -> `[b, g, s, d]`: each attention
+    matmul then has two batch dimensions, not three (XLA:CPU runs a matmul with several batch
+    dimensions, and its gradient, far slower). `g` stays its own dimension, so a sharding of the
+    heads (tensor parallelism) carries through unchanged."""
     if x.ndim == 5:
         b, t, g, r, d = x.shape
-        return x.transpose(0, 2, 3, 1, 4).reshape(b * g, r * t, d)
-    b, s, g, d = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(b * g, s, d)
+        return x.transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, d)
+    return x.transpose(0, 2, 1, 3)
 
 
-def _heads_last(x: Array, b: int, t: int, g: int, r: int) -> Array:
-    """`[b * g, r * t, d]` -> `[b, t, g, r, d]` (inverse of `_heads_first` on queries)."""
-    return x.reshape(b, g, r, t, -1).transpose(0, 3, 1, 2, 4)
+def _heads_last(x: Array, t: int, r: int) -> Array:
+    """`[b, g, r * t, d]` -> `[b, t, g, r, d]` (inverse of `_heads_first` on queries)."""
+    b, g, _, d = x.shape
+    return x.reshape(b, g, r, t, d).transpose(0, 3, 1, 2, 4)
 
 
-def _probs_and_out(q, k, v, bias, scale, shape):
-    """On heads-first operands: fp32 probabilities `[b * g, r * t, s]` and the output."""
-    b, g, r, t = shape
-    scores = jnp.matmul(q, k.swapaxes(1, 2), preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, g, r, t, -1).astype(jnp.float32) * scale + bias
-    probs = jax.nn.softmax(scores, axis=-1).reshape(b * g, r * t, -1)
+def _probs_and_out(q, k, v, bias, scale, r):
+    """On heads-first operands: fp32 probabilities `[b, g, r * t, s]` and the output."""
+    scores = jnp.matmul(q, k.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+    b, g, rt, s = scores.shape
+    scores = scores.reshape(b, g, r, rt // r, s).astype(jnp.float32) * scale + bias
+    probs = jax.nn.softmax(scores, axis=-1).reshape(b, g, rt, s)
     return probs, jnp.matmul(probs.astype(v.dtype), v)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend(q, k, v, bias, scale, shape):
+def _attend(q, k, v, bias, scale, r):
     """`softmax(q k^T * scale + bias) v` on heads-first operands (`_heads_first`); the backward below."""
-    return _probs_and_out(q, k, v, bias, scale, shape)[1]
+    return _probs_and_out(q, k, v, bias, scale, r)[1]
 
 
-def _attend_fwd(q, k, v, bias, scale, shape):
-    probs, out = _probs_and_out(q, k, v, bias, scale, shape)
+def _attend_fwd(q, k, v, bias, scale, r):
+    probs, out = _probs_and_out(q, k, v, bias, scale, r)
     return out, (q, k, v, bias, probs, out)
 
 
-def _attend_bwd(scale, shape, res, d_out):
+def _attend_bwd(scale, r, res, d_out):
     """The textbook attention backward, with `rowsum(dP * P)` taken as `rowsum(dO * O)`.
 
     The two are equal; the second reduces over `head_dim` instead of the keys, and
@@ -67,12 +68,12 @@ def _attend_bwd(scale, shape, res, d_out):
     """
     q, k, v, bias, probs, out = res
     f32 = jnp.float32
-    d_v = jnp.matmul(probs.astype(v.dtype).swapaxes(1, 2), d_out)
-    d_probs = jnp.matmul(d_out, v.swapaxes(1, 2), preferred_element_type=f32)
+    d_v = jnp.matmul(probs.astype(v.dtype).swapaxes(-1, -2), d_out)
+    d_probs = jnp.matmul(d_out, v.swapaxes(-1, -2), preferred_element_type=f32)
     delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
     d_scores = (probs * (d_probs - delta) * scale).astype(q.dtype)
     d_q = jnp.matmul(d_scores, k)
-    d_k = jnp.matmul(d_scores.swapaxes(1, 2), q)
+    d_k = jnp.matmul(d_scores.swapaxes(-1, -2), q)
     return d_q, d_k, d_v.astype(v.dtype), jnp.zeros_like(bias)
 
 
@@ -113,8 +114,8 @@ def reference_attention(
     bias = bias[:, None, None] if bias.ndim == 3 else bias
     g = k.shape[2]
     out = _attend(_heads_first(qg), _heads_first(k), _heads_first(v), jax.lax.stop_gradient(bias), float(scale),
-                  (b, g, h // g, t))
-    out = _heads_last(out, b, t, g, h // g).reshape(b, t, h, d)
+                  h // g)
+    out = _heads_last(out, t, h // g).reshape(b, t, h, d)
     any_key = jnp.any(allowed, axis=-1)  # [t] or [b, t]
     any_key = any_key[:, :, None, None] if any_key.ndim == 2 else any_key[None, :, None, None]
     return jnp.where(any_key, out, jnp.zeros((), out.dtype))
