@@ -27,7 +27,7 @@ from recipe_runs import RECIPES, load_recipe
 # A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
 # (tensor=4), 32 positions (zigzag over context=2, SP over tensor=4), batch 16
 # (2 data-parallel devices x 4 microbatches x 2 rows). A constant learning rate, so
-# a run of 3 steps is the first half of a run of 6.
+# steps 4..6 resumed from a step-3 checkpoint continue any run of 5 or 6 steps.
 MODEL = ["--model.num-layers", "4", "--model.num-heads", "4", "--model.embed-dim", "32", "--model.seq-len", "32"]
 RUN = ["--batch-size", "16", "--log-every", "1", "--eval-windows", "0", "--sample-tokens", "0", "--no-progress",
        "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
@@ -79,32 +79,40 @@ def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]
     return [r["loss"] for r in rows if "loss" in r]
 
 
-_REFERENCE: dict = {}
+_RUNS: dict[str, tuple[list[float], Path]] = {}
 
 
-def reference(corpus, tmp_path_factory) -> list[float]:
-    """Six single-device steps: the run every other strategy must reproduce."""
-    if "losses" not in _REFERENCE:
-        _REFERENCE["losses"] = run(corpus, tmp_path_factory.mktemp("reference"), "single", "--steps", "6")
-    return _REFERENCE["losses"]
+def trained(strategy: str, corpus, tmp_path_factory) -> tuple[list[float], Path]:
+    """One run per strategy and worker, checkpointed after step 3: 6 steps on one device (the
+    reference every other run must reproduce), 5 under the others. **Returns** (losses, out dir)."""
+    if strategy not in _RUNS:
+        out = tmp_path_factory.mktemp(strategy.replace(" ", "_").replace(",", "_"))
+        steps = "6" if strategy == "single" else "5"
+        _RUNS[strategy] = run(corpus, out, strategy, "--steps", steps, "--checkpoint-every", "3"), out
+    return _RUNS[strategy]
 
 
-@pytest.mark.parametrize("strategy", COMPOSED)
-def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path, tmp_path_factory):
-    losses = run(corpus, tmp_path, strategy, "--steps", "5")
-    np.testing.assert_allclose(losses, reference(corpus, tmp_path_factory)[:5], rtol=1e-5)
+def group(strategies):
+    """Each strategy's tests on one xdist worker (`--dist loadgroup`), so its run is shared."""
+    return [pytest.param(s, marks=pytest.mark.xdist_group(s)) for s in strategies]
 
 
-@pytest.mark.parametrize("saved", PORTABLE)
+@pytest.mark.parametrize("strategy", group(COMPOSED))
+def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path_factory):
+    losses, _ = trained(strategy, corpus, tmp_path_factory)
+    np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
+
+
+@pytest.mark.parametrize("saved", group(PORTABLE))
 def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_path_factory):
-    ref = reference(corpus, tmp_path_factory)
-    first = run(corpus, tmp_path / "saved", saved, "--steps", "3", "--checkpoint-every", "3")
-    np.testing.assert_allclose(first, ref[:3], rtol=1e-5)
+    ref = trained("single", corpus, tmp_path_factory)[0]
+    first, saved_dir = trained(saved, corpus, tmp_path_factory)
+    np.testing.assert_allclose(first[:3], ref[:3], rtol=1e-5)
     i = PORTABLE.index(saved)
     targets = dict.fromkeys([PORTABLE[(i + 1) % 5], PORTABLE[(i + 2) % 5], "single"])
     for target in targets:
         out = tmp_path / target.replace(" ", "_")
-        shutil.copytree(tmp_path / "saved" / "checkpoints", out / "checkpoints")
+        shutil.copytree(saved_dir / "checkpoints" / "3", out / "checkpoints" / "3")  # the step-3 checkpoint only
         resumed = run(corpus, out, target, "--steps", "6", "--resume")
         np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5, err_msg=f"saved under {saved}, resumed under {target}")
 
