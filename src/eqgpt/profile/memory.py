@@ -19,11 +19,11 @@ alone and are exact on every backend.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from eqgpt.profile.collectives import _nbytes  # one table of HLO dtype sizes
 from eqgpt.profile.text import table_text
 
 
@@ -87,10 +87,6 @@ def memory(compiled: Any) -> MemoryReport:
     return MemoryReport(arg, out, alias, temp, stats.generated_code_size_in_bytes, peak, host, host_args)
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8}
-
-
 def _host_argument_bytes(hlo_text: str) -> int:
     """Bytes of the entry parameters whose layout puts them in host memory (`S(5)`)."""
     match = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
@@ -99,7 +95,7 @@ def _host_argument_bytes(hlo_text: str) -> int:
     total = 0
     for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\]\{([^}]*)\}", match.group(1)):
         if "S(5)" in layout:
-            total += _DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+            total += _nbytes((dtype, tuple(int(d) for d in dims.split(",") if d)))
     return total
 
 
