@@ -17,7 +17,8 @@ FLOPs: `eqgpt.profile.flops` (6 per matmul weight per token, causal attention
 `6 L T D`; forward a third of it, backward two thirds).
 Run: `python benchmarks/step_breakdown.py [--layers 4 --embed 256 --seq 256 --batch 8]`.
 The default is the configuration of the speed issue: L=4, H=4, D=256, T=256, B=8,
-vocab 256, no biases, tied head, fp32, AdamW, reference kernel.
+vocab 256, no biases, tied head, fp32, AdamW, reference kernel, layers unrolled as
+the recipe runs them (`--scan-layers` for one `lax.scan`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def build(args):
     cfg = eqgpt.GPTConfig(
         vocab_size=args.vocab, seq_len=args.seq, num_layers=args.layers, num_heads=args.heads,
         embed_dim=args.embed, use_bias=False, tie_embeddings=True, attention_kernel=args.kernel,
+        scan_layers=args.scan_layers,
     )
     strategy = Strategy()
     opt = make_optimizer(1e-3)
@@ -75,6 +77,7 @@ def build(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--scan-layers", action="store_true", help="the layers as one lax.scan (default: unrolled)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--embed", type=int, default=256)
     p.add_argument("--seq", type=int, default=256)

@@ -6,7 +6,8 @@ out (scores, mask, fp32 softmax, weighted sum: the algorithm of eqgpt's `referen
 kernel; `--sdpa` uses `torch.nn.functional.scaled_dot_product_attention` instead),
 a tanh-GELU MLP, a tied head, fp32 cross-entropy, global-norm clipping at 1 and
 AdamW with decay on matrices only. eqgpt runs `make_train_step` with its
-`reference` kernel.
+`reference` kernel and its layers unrolled, as the recipe runs them
+(`GPTConfig.scan_layers=False`; `--scan-layers` times the scanned layers instead).
 
 Each measurement is a fresh process (eqgpt, then PyTorch, then eqgpt, ...), so
 neither's thread pool disturbs the other; each times `--steps` steps after two
@@ -55,7 +56,7 @@ def time_steps(step, steps: int) -> tuple[float, float]:
     return float(np.median(times)), (time.process_time() - cpu0) / steps
 
 
-def run_eqgpt(size, steps: int, cache_dir: str) -> tuple[float, float]:
+def run_eqgpt(size, steps: int, cache_dir: str, scan_layers: bool) -> tuple[float, float]:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -67,7 +68,8 @@ def run_eqgpt(size, steps: int, cache_dir: str) -> tuple[float, float]:
 
     layers, heads, embed, seq, batch, vocab = size
     cfg = eqgpt.GPTConfig(vocab_size=vocab, seq_len=seq, num_layers=layers, num_heads=heads, embed_dim=embed,
-                          use_bias=False, tie_embeddings=True, attention_kernel="reference")
+                          use_bias=False, tie_embeddings=True, attention_kernel="reference",
+                          scan_layers=scan_layers)
     strategy = Strategy()
     opt = make_optimizer(1e-3, weight_decay=0.1, clip_norm=1.0)
     model = strategy.init_model(lambda k: GPT(cfg, key=k), jax.random.key(0))
@@ -174,7 +176,7 @@ def run_torch(size, steps: int, sdpa: bool) -> tuple[float, float]:
 def worker(args) -> None:
     size = SIZES[args.size]
     if args.worker == "eqgpt":
-        seconds, cpu = run_eqgpt(size, args.steps, args.cache_dir)
+        seconds, cpu = run_eqgpt(size, args.steps, args.cache_dir, args.scan_layers)
     else:
         seconds, cpu = run_torch(size, args.steps, args.sdpa)
     print(json.dumps({"seconds": seconds, "cpu_seconds": cpu}))
@@ -182,7 +184,7 @@ def worker(args) -> None:
 
 def measure(which: str, size: str, args, cache_dir: str) -> tuple[float, float]:
     cmd = [sys.executable, __file__, "--worker", which, "--size", size, "--steps", str(args.steps),
-           "--cache-dir", cache_dir] + (["--sdpa"] if args.sdpa else [])
+           "--cache-dir", cache_dir] + (["--sdpa"] if args.sdpa else []) + (["--scan-layers"] if args.scan_layers else [])
     env = dict(os.environ)
     if args.glibc_tunables:  # the same allocator settings for both frameworks (docs/profiling.md, "Page faults")
         env["GLIBC_TUNABLES"] = GLIBC_MALLOC_TUNABLES
@@ -199,6 +201,7 @@ def main():
     p.add_argument("--pairs", type=int, default=3, help="alternating eqgpt/PyTorch pairs per size")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (after 2 warm-up steps)")
     p.add_argument("--sdpa", action="store_true", help="PyTorch attention by scaled_dot_product_attention")
+    p.add_argument("--scan-layers", action="store_true", help="eqgpt's layers as one lax.scan (default: unrolled)")
     p.add_argument("--glibc-tunables", action="store_true",
                    help="run both workers with the malloc settings train_gpt.py uses (keep freed memory mapped)")
     p.add_argument("--worker", choices=("eqgpt", "torch"), help=argparse.SUPPRESS)
@@ -218,7 +221,7 @@ def main():
     if unknown:
         p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     print(f"PyTorch {torch.__version__} ({torch.get_num_threads()} threads), attention "
-          f"{'SDPA' if args.sdpa else 'written out'}; {args.pairs} alternating pairs, median of {args.steps} steps "
+          f"{'SDPA' if args.sdpa else 'written out'}; eqgpt layers {'scanned' if args.scan_layers else 'unrolled'}; {args.pairs} alternating pairs, median of {args.steps} steps "
           f"each; load average {os.getloadavg()[0]:.1f}; GLIBC_TUNABLES {'set' if args.glibc_tunables else 'unset'}")
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:  # eqgpt compiles once per size, then reads the cache

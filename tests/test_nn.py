@@ -108,6 +108,18 @@ def test_remat_policies_give_the_same_gradients(remat):
     assert_trees_close(_remat_grads("none"), _remat_grads(remat), rtol=1e-5, atol=1e-7)
 
 
+def test_unrolled_layers_equal_the_scan_and_leave_no_loop():
+    toks = tokens(jax.random.key(1))
+    loss = lambda m: nn.lm_loss(m, toks, jnp.roll(toks, -1, 1))[0]  # noqa: E731
+    unrolled = nn.GPT(TINY_LLAMA.replace(scan_layers=False), key=jax.random.key(0))
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    (l_scan, g_scan), (l_unrolled, g_unrolled) = step(nn.GPT(TINY_LLAMA, key=jax.random.key(0))), step(unrolled)
+    np.testing.assert_allclose(l_unrolled, l_scan, rtol=1e-6)
+    assert_trees_close(g_unrolled, g_scan, rtol=1e-5, atol=1e-7)
+    assert " while(" not in step.lower(unrolled).compile().compiled.as_text()
+    assert " while(" in step.lower(nn.GPT(TINY_LLAMA, key=jax.random.key(0))).compile().compiled.as_text()
+
+
 def test_remat_full_recomputes_in_the_backward():
     model = nn.GPT(TINY.replace(remat="full"), key=jax.random.key(0))
     toks = tokens(jax.random.key(1))

@@ -23,6 +23,10 @@ class GPTConfig:
       `eqgpt.nn.kernels.register_kernel`.
     - `mask`, `window`: "causal" or "sliding" (with `window` keys).
     - `remat`: gradient checkpointing per block (see `eqgpt.nn.remat`).
+    - `scan_layers`: run the layers as one `jax.lax.scan` (compile time independent
+      of depth). `False` unrolls them: XLA then keeps each layer's activations as
+      separate arrays instead of copying them into and out of `[layers, ...]`
+      buffers, which made a 4-layer CPU step 9 % faster; compile time grows with depth.
     """
 
     vocab_size: int = 256
@@ -43,6 +47,7 @@ class GPTConfig:
     mask: Literal["causal", "sliding"] = "causal"
     window: int | None = None
     remat: str = "none"
+    scan_layers: bool = True
     init_std: float = 0.02
 
     def __post_init__(self):

@@ -1,7 +1,8 @@
 """GPT: token (+ position) embeddings -> scanned stack of blocks -> norm -> head.
 
 The layers are one `Block` whose arrays carry a leading `layers` axis, built with
-`eqx.filter_vmap` and run with `jax.lax.scan`: compile time does not grow with depth.
+`eqx.filter_vmap` and run with `jax.lax.scan`: compile time does not grow with depth
+(`GPTConfig.scan_layers=False` unrolls the scan, for faster steps of shallow models).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class GPT(eqx.Module):
             with jax.named_scope("block"):
                 return block(h, positions=positions, segment_ids=segment_ids, **extra), None
 
-        x, _ = jax.lax.scan(layer, x, dynamic)
+        x, _ = jax.lax.scan(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
         return x
 
     def features(
