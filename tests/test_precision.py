@@ -35,7 +35,7 @@ def model():
     return nn.GPT(CONFIG, key=jax.random.key(0))
 
 
-def train(policy: Policy, steps: int, lr: float = 3e-3):
+def train(policy: Policy, steps: int, lr: float = 2e-3):
     optimizer = policy.optimizer(make_optimizer(lr, clip_norm=1.0))
     m = policy.cast_to_param(model())
     state = TrainState(m, optimizer.init(eqx.filter(m, eqx.is_array)), rng=jax.random.key(1),
@@ -100,18 +100,12 @@ def test_fp16_tracks_fp32_for_30_steps():
     state, hist = train(Policy("fp32", "fp16", loss_scaling=True, growth_interval=10), 30)
     l32, l16 = np.array([h["loss"] for h in ref]), np.array([h["loss"] for h in hist])
     assert l32[-1] < l32[0] - 1.0  # it learns
-    # Until the growing scale first overflows, fp16 compute tracks fp32 within 0.5%. An
-    # overflowing step is skipped (as it must be), so the fp16 run misses that update and
-    # departs for a few steps (here the skip meets a loss spike of the fp32 run); once it
-    # rejoins, the two are different trajectories of the same training: every step from 4
-    # after the last skip within 5%, their mean within 2%, and the last step within 2%.
-    skipped = [i for i, h in enumerate(hist) if h["skipped"]]
+    # Every step within 2% of fp32 (in fact within 0.1%). At lr 2e-3 this run has no
+    # overflow in 30 steps, even with the scale doubling every 10 good steps; the
+    # skip-and-halve path is the injected-overflow test's.
     rel = np.abs(l16 - l32) / l32
-    first = skipped[0] if skipped else len(hist)
-    rejoined = rel[skipped[-1] + 4:] if skipped else rel
-    assert np.all(rel[:first] <= 0.005), rel
-    assert len(rejoined) >= 5 and np.all(rejoined <= 0.05) and rejoined.mean() <= 0.02, (rel, skipped)
-    assert rel[-1] <= 0.02 and len(skipped) <= 5, (rel, skipped)
+    assert np.all(rel <= 0.02), rel
+    assert not any(h["skipped"] for h in hist)
     scales = [h["loss_scale"] for h in hist]
     assert max(scales) > scales[0]  # grew after 10 good steps
     assert int(state.skipped) == sum(h["skipped"] for h in hist)
