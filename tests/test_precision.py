@@ -17,6 +17,7 @@ from eqgpt import nn
 from eqgpt.data import Batch
 from eqgpt.precision import LossScale, MasterWeightsState
 from eqgpt.train import Policy, Strategy, TrainState, make_optimizer, make_train_step
+from helpers import assert_trees_close
 
 CONFIG = eqgpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=2, num_heads=4, embed_dim=64)
 BATCH, SEQ = 8, 32
@@ -172,3 +173,35 @@ def test_pipeline_under_bf16_runs_in_bf16():
     assert all(f"x{SEQ}x{SEQ}x" in a + c or a == c for a, c in fp32), fp32
     permutes = re.findall(r"stablehlo\.collective_permute[^\n]*?: \(tensor<(?:\d+x)*(\w+)>\)", text)
     assert permutes and set(permutes) == {"bf16"}, permutes
+
+
+EXPLICIT = {  # the strategies that differentiate inside their own shard_map
+    "pipeline-1f1b": lambda: Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2),
+    "manual-dp-tp": lambda: Strategy.parse("data=4,tensor=2", "dp+tp", manual=True),
+    "manual-zero2": lambda: Strategy.parse("data=8", "dp", manual=True, zero=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPLICIT))
+def test_loss_scaling_on_explicit_strategies(name):
+    strategy = EXPLICIT[name]()
+    m = strategy.place_model(model())
+    batch = strategy.batch(text_batch(0))
+    # The scale reaches the backward pass and is divided out exactly (a power of 2, fp32).
+    grad_fn = eqx.filter_jit(strategy.grad_fn(Policy(), model_like=m))
+    (loss, _), grads = grad_fn(m, batch)
+    (scaled_loss, _), scaled = grad_fn(m, batch, loss_scale=jnp.float32(1024.0))
+    np.testing.assert_allclose(scaled_loss, loss, rtol=1e-6)
+    assert_trees_close(scaled, grads, rtol=1e-5, atol=1e-8)
+    # fp16 compute: an overflowing scale is caught, the step skipped and the scale halved.
+    policy = Policy.named("fp16")
+    optimizer = make_optimizer(3e-3)
+    step = make_train_step(optimizer, strategy=strategy, policy=policy, model_like=m, donate=False)
+    state = TrainState(m, strategy.init_opt_state(optimizer, m), rng=jax.random.key(1),
+                       loss_scale=policy.loss_scale_state())
+    bad = eqx.tree_at(lambda s: s.loss_scale.scale, state, jnp.float32(1e30))
+    after, metrics = step(bad, batch)
+    assert int(metrics["skipped"]) == 1 and float(after.loss_scale.scale) == pytest.approx(5e29)
+    after, metrics = step(state, batch)
+    assert int(metrics["skipped"]) == 0 and np.isfinite(float(metrics["loss"]))
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=2e-2)  # fp16 compute, same loss

@@ -99,6 +99,13 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
     return optax.GradientTransformation(init, update)
 
 
+def unscale(grads: PyTree, loss_scale) -> PyTree:
+    """`grads / loss_scale`, each computed in fp32 and returned in its own dtype.
+
+    Every strategy's gradient function calls it after differentiating `loss * loss_scale`."""
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / loss_scale).astype(g.dtype) if _is_float(g) else g, grads)
+
+
 def _is_float(x) -> bool:
     return eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -167,10 +174,7 @@ class Policy:
         def grad_fn(model, batch, loss_scale=None):
             scale = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
             (_, (loss, aux)), grads = grad(model, batch, scale)
-            if loss_scale is not None:
-                grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype)
-                                     if _is_float(g) else g, grads)
-            return (loss, aux), grads
+            return (loss, aux), grads if loss_scale is None else unscale(grads, scale)
 
         return grad_fn
 

@@ -42,7 +42,7 @@ from eqgpt.parallel.tensor import (
     tensor_parallel_specs,
     vocab_parallel_loss_sums,
 )
-from eqgpt.precision import Policy
+from eqgpt.precision import Policy, unscale
 
 TENSOR = "tensor"
 
@@ -152,13 +152,19 @@ class _Plan:
             loss, nll, z = all_reduce((loss, nll, z), self.dp)
         return loss, {"nll": nll, "z_loss": z}
 
-    def local_grad(self, model, batch):
+    def local_grad(self, model, batch, scale):
+        """Gradients of `loss * scale` (the dynamic loss scale, 1 without it), divided by `scale`."""
         params, static = eqx.partition(model, eqx.is_array)
         leaves, treedef = jax.tree.flatten(params)
         params = jax.tree.unflatten(treedef, [to_varying(p, ax) if ax else p
                                               for p, ax in zip(leaves, self.grad_axes, strict=True)])
-        (loss, (nll, z)), grads = jax.value_and_grad(self.local_loss, has_aux=True)(params, static, batch)
-        return self.finish(loss, nll, z), reduce_gradients(grads, self.grad_axes)
+
+        def scaled(params):
+            loss, aux = self.local_loss(params, static, batch)
+            return loss * scale, (loss, aux)
+
+        (_, (loss, (nll, z))), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return self.finish(loss, nll, z), unscale(reduce_gradients(grads, self.grad_axes), scale)
 
     def local_forward(self, model, batch):
         params, static = eqx.partition(model, eqx.is_array)
@@ -167,10 +173,11 @@ class _Plan:
 
     def mapped(self, grad: bool) -> Callable:
         scalars = (PartitionSpec(), {"nll": PartitionSpec(), "z_loss": PartitionSpec()})
-        return filter_shard_map(
-            self.local_grad if grad else self.local_forward, mesh=self.mesh,
-            in_specs=(self.specs, self.batch_spec), out_specs=(scalars, self.array_specs) if grad else scalars,
-        )
+        if not grad:
+            return filter_shard_map(self.local_forward, mesh=self.mesh, in_specs=(self.specs, self.batch_spec),
+                                    out_specs=scalars)
+        return filter_shard_map(self.local_grad, mesh=self.mesh, in_specs=(self.specs, self.batch_spec, PartitionSpec()),
+                                out_specs=(scalars, self.array_specs))
 
 
 def manual_grad_fn(
@@ -210,10 +217,11 @@ def manual_grad_fn(
     plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy)
     mapped = plan.mapped(grad=True)
 
-    def grad_fn(model: PyTree, batch: Batch) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
-        """**Arguments:** the plain model and a `Batch`. **Returns:** `((loss, aux), grads)`."""
+    def grad_fn(model: PyTree, batch: Batch, loss_scale=None) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
+        """**Arguments:** the plain model, a `Batch` and optionally the dynamic loss scale.
+        **Returns:** `((loss, aux), grads)`."""
         plan.check_batch(batch)
-        return mapped(model, batch)
+        return mapped(model, batch, jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32))
 
     return grad_fn
 

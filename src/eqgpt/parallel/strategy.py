@@ -70,9 +70,9 @@ def check_plain_positions(batch: Batch) -> None:
 
 
 def _plain_positions_only(fn: Callable) -> Callable:
-    def checked(model, batch):
+    def checked(model, batch, **kwargs):
         check_plain_positions(batch)
-        return fn(model, batch)
+        return fn(model, batch, **kwargs)
 
     return checked
 
@@ -413,9 +413,6 @@ class Strategy:
         structure, already reduced over every axis the strategy splits the batch over.
         """
         policy = Policy() if policy is None else policy
-        if policy.loss_scaling and (self.pipeline is not None or self.manual):
-            raise ValueError("loss scaling (fp16) runs on one device and the automatic path (with context "
-                             "parallelism too) for now; use bf16 with --pipeline or --manual.")
         if self.pipeline is not None:
             from eqgpt.parallel.pipeline import pipeline_grad_fn
 

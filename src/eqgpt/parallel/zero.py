@@ -297,7 +297,7 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}.")
 
-    def local(model, batch):
+    def local(model, batch, scale):
         params, static = eqx.partition(model, eqx.is_array)
         dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
         params = to_varying(params, axis)
@@ -312,28 +312,29 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
                                 segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss,
                                 doc_positions=batch.positions)
             aux = jax.tree.map(lambda a: a.astype(jnp.float32) * weight, aux)
-            return loss.astype(jnp.float32) * weight, aux
+            loss = loss.astype(jnp.float32) * weight
+            return loss * scale, (loss, aux)  # the backward pass runs on the scaled loss
 
-        (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        (_, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         leaves, treedef = jax.tree.flatten(grads)
         out = []
         for g, d in zip(leaves, dims, strict=True):
-            g32 = g.astype(jnp.float32)
+            g32 = g.astype(jnp.float32) / scale
             summed = reduce_scatter(g32, axis, dim=d) if stage == 2 and d is not None else all_reduce(g32, axis)
             out.append(summed.astype(g.dtype))
         return (all_reduce(loss, axis), all_reduce(aux, axis)), jax.tree.unflatten(treedef, out)
 
-    def grad_fn(model: PyTree, batch: Any):
+    def grad_fn(model: PyTree, batch: Any, loss_scale=None):
         params = eqx.filter(model, eqx.is_array)
         dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
         grad_specs = jax.tree.unflatten(jax.tree.structure(params), [
             PartitionSpec(*([None] * d + [axis])) if stage == 2 and d is not None else PartitionSpec()
             for d in dims])
         batch_spec = PartitionSpec(axis)
-        mapped = filter_shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), batch_spec),
+        mapped = filter_shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), batch_spec, PartitionSpec()),
                                   out_specs=((PartitionSpec(), {"nll": PartitionSpec(), "z_loss": PartitionSpec()}),
                                              grad_specs))
-        return mapped(model, batch)
+        return mapped(model, batch, jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32))
 
     return grad_fn
 

@@ -105,7 +105,7 @@ from eqgpt.parallel.pipeline.lowering import (
 )
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules, preset_rules
-from eqgpt.precision import Policy
+from eqgpt.precision import Policy, unscale
 from eqgpt.profile.memory import memory
 
 _log = logging.getLogger(__name__)
@@ -266,11 +266,13 @@ def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BA
 
 def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
                block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None):
-    """The `shard_map`ped step `(staged blocks, other params, batch, positions) -> (loss terms, grads, grads)`.
+    """The `shard_map`ped step `(staged blocks, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
 
     `width` is the model's activation width; `positions` the global position of each
     slot of the (possibly laid-out) sequence. With `context_axis` the sequence of the
     batch and of the positions is split over it too (a manual axis like `data`).
+    The backward pass starts from `d(loss) = loss scale` and the gradients are divided
+    by it at the end (dynamic loss scaling; 1 without it).
     """
     p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
     lowered = lower(schedule)
@@ -283,7 +285,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
     token_axes = (*BATCH_AXES, *seq_axes)  # every device here holds a share of the tokens
     vary = lambda tree: to_varying(tree, manual)  # noqa: E731
 
-    def step(blocks, rest, batch, positions):
+    def step(blocks, rest, batch, positions, scale):
         blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
         blocks = vary(_gather_params(blocks, block_axes, lead=2))
         rest = vary(_gather_params(rest, rest_axes))
@@ -330,10 +332,10 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
 
         def backward(chunk, rest_p, x, dy, data, first, last):
             # Recompute the stage from its saved input, then pull back: the gradient that
-            # came from the next stage, or d(loss) = 1 on the last virtual stage.
+            # came from the next stage, or d(loss) = the loss scale (1 unscaled) on the last virtual stage.
             (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last), chunk, rest_p, x)
             cot_y = jnp.where(last, 0.0, dy).astype(y.dtype)
-            cot_terms = jnp.where(last, jnp.array([1.0, 0.0, 0.0]), 0.0)
+            cot_terms = jnp.where(last, jnp.stack([scale, 0.0, 0.0]), 0.0)
             d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
             return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), d_chunk, d_rest, no_terms))
 
@@ -370,13 +372,13 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         terms = all_reduce(broadcast(terms, PIPELINE, root=p - 1), token_axes)
         g_rest = _reduce_grads(all_reduce(g_rest, PIPELINE), rest_axes, sum_axes=token_axes)
         g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes, lead=2, sum_axes=token_axes))
-        return terms, g_blocks, g_rest
+        return terms, unscale(g_blocks, scale), unscale(g_rest, scale)
 
     block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), block_axes)
     rest_specs = jax.tree.map(lambda ba: ba.spec(), rest_axes)
     batch_spec = PartitionSpec(BATCH_AXES, *seq_axes)
     return jax.shard_map(
-        step, mesh=mesh, in_specs=(block_specs, rest_specs, batch_spec, PartitionSpec(*seq_axes)),
+        step, mesh=mesh, in_specs=(block_specs, rest_specs, batch_spec, PartitionSpec(*seq_axes), PartitionSpec()),
         out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(manual),
     )
 
@@ -446,9 +448,11 @@ class PipelineGradFn:
     def __repr__(self) -> str:
         return f"PipelineGradFn({self.schedule.name}, mesh={dict(self.mesh.shape)})"
 
-    def __call__(self, model, batch: Batch):
-        """**Returns:** `((loss, aux), grads)` for `model` on `batch` (see `pipeline_grad_fn`)."""
-        return self._jitted(model, batch)
+    def __call__(self, model, batch: Batch, loss_scale=None):
+        """**Returns:** `((loss, aux), grads)` for `model` on `batch` (see `pipeline_grad_fn`);
+        with `loss_scale`, the backward pass runs on `loss * loss_scale` (dynamic loss scaling)
+        and the gradients are divided by it."""
+        return self._jitted(model, batch, loss_scale)
 
     def compile(self, model, batch: Batch):
         """The compiled step (`jax.stages.Compiled`): for `memory_analysis()` and the HLO.
@@ -471,7 +475,7 @@ class PipelineGradFn:
             line += f"; temp memory {self.temp_bytes(model, batch) / 2**20:.2f} MiB per device"
         return line
 
-    def _grad(self, model, batch: Batch):
+    def _grad(self, model, batch: Batch, loss_scale=None):
         mesh, schedule, ctx = self.mesh, self.schedule, self.context
         p, v = schedule.num_stages, schedule.num_chunks
         check_language_model(model)
@@ -502,7 +506,8 @@ class PipelineGradFn:
         step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
                           width=width, policy=self.policy, context_axis=context_axis)
         staged = jax.tree.map(lambda a: to_stages(a, p, v), blocks)
-        terms, g_blocks, g_rest = step(staged, rest, fields, positions)
+        scale = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+        terms, g_blocks, g_rest = step(staged, rest, fields, positions, scale)
         grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
         leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
         return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), jax.tree.unflatten(layout, leaves)
