@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import equinox as eqx
 import jax
 import tyro
 
@@ -141,6 +142,8 @@ class TrainConfig:
     """ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also reduce-scatters gradients); see docs/parallelism/parameter-server.md."""
     offload_opt_state: bool = False
     """Keep the optimizer state in pinned host memory between steps (docs/memory.md)."""
+    offload_params: bool = False
+    """Keep the parameters in pinned host memory between steps too (with FSDP, each device's shard; docs/memory.md)."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
@@ -197,7 +200,7 @@ def strategy_of(cfg: TrainConfig) -> Strategy:
     """The one object that says how this run is distributed (a single device without --mesh)."""
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
                           virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
-                          offload_opt_state=cfg.offload_opt_state)
+                          offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:
@@ -279,6 +282,7 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
             print(f"stopped at step {summary['steps']} by SIGTERM; rerun with --resume to continue "
                   f"(exit status {PREEMPTED_EXIT_CODE})", flush=True)
         return summary
+    state = eqx.tree_at(lambda s: s.model, state, trainer.placement.on_device(state.model))  # from host memory if offloaded
     save_model(out, state.model)
     if is_main:
         corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with

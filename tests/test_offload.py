@@ -1,8 +1,8 @@
-"""Optimizer-state host offload: the state lives in pinned host memory between steps.
+"""Host offload: the optimizer state (and, with FSDP, the parameters) live in pinned host memory between steps.
 
-Training equals the same strategy without offload (rel 1e-6), the state's arrays sit
-in `pinned_host` after each step, and the compiled step holds exactly the optimizer
-state's bytes as host-memory inputs, so its device-memory inputs drop by that much.
+Training equals the same strategy without offload (rel 1e-6), the offloaded arrays sit
+in `pinned_host` after each step, and the compiled step holds exactly their bytes as
+host-memory inputs, so its device-memory inputs drop by that much.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ CASES = {
     "single": lambda offload: Strategy(offload_opt_state=offload),
     "fsdp": lambda offload: Strategy(make_mesh("fsdp=8"), "fsdp", offload_opt_state=offload),
     "zero1": lambda offload: Strategy(make_mesh("data=8"), "dp", zero=1, offload_opt_state=offload),
+    "fsdp-params": lambda offload: Strategy(make_mesh("fsdp=8"), "fsdp", offload_opt_state=offload,
+                                            offload_params=offload),
 }
 
 
@@ -38,29 +40,33 @@ def train(strategy: Strategy, steps: int = 3):
                for _ in range(steps)]
     compiled = step.lower(state, batches[0]).compile()
     report = memory(compiled)
-    opt_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.opt_state) if eqx.is_array(x))
+    offloaded = (state.opt_state, state.model) if strategy.offload_params else state.opt_state
+    host_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(offloaded) if eqx.is_array(x))
     losses = []
     for b in batches:
         state, metrics = compiled(state, b)
         losses.append(float(metrics["loss"]))
-    return losses, state, report, opt_bytes
+    val = eqx.filter_jit(strategy.loss_fn())(state.model, batches[0])[0]  # validation reads host parameters
+    return losses + [float(val)], state, report, host_bytes
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_offloaded_optimizer_state_trains_the_same_and_leaves_the_device(name):
-    ref_losses, ref_state, ref_mem, opt_bytes = train(CASES[name](False))
-    losses, state, mem, _ = train(CASES[name](True))
+def test_offloaded_state_trains_the_same_and_leaves_the_device(name):
+    ref_losses, ref_state, ref_mem, _ = train(CASES[name](False))
+    losses, state, mem, host_bytes = train(CASES[name](True))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     floats = lambda s: jax.tree.leaves(eqx.filter((s.model, s.opt_state), eqx.is_inexact_array))  # noqa: E731
     for x, y in zip(floats(state), floats(ref_state), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)
-    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if eqx.is_array(x)}
-    assert kinds == {"pinned_host"}
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))} == {"device"}
-    # The compiled step: the optimizer state (per device) is its host-memory input, nothing else.
-    assert mem.host_argument_bytes == opt_bytes and ref_mem.host_argument_bytes == 0
-    assert mem.device_argument_bytes == ref_mem.argument_bytes - opt_bytes
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree) if eqx.is_array(x)}  # noqa: E731
+    assert kinds(state.opt_state) == {"pinned_host"}
+    assert kinds(state.model) == {"pinned_host" if "params" in name else "device"}
+    # The compiled step: the offloaded arrays (per device) are its host-memory inputs, nothing else.
+    assert mem.host_argument_bytes == host_bytes and ref_mem.host_argument_bytes == 0
+    assert mem.device_argument_bytes == ref_mem.argument_bytes - host_bytes
 
 
 def test_the_strategy_says_where_the_state_lives():
     assert "optimizer state on host" in Strategy(make_mesh("data=8"), "dp", offload_opt_state=True).describe()
+    assert Strategy(make_mesh("fsdp=8"), "fsdp", offload_opt_state=True, offload_params=True).describe() == \
+        "fsdp | parameters and optimizer state on host"

@@ -1,4 +1,4 @@
-"""Host offload of the optimizer state: it lives in pinned host memory between steps.
+"""Host offload of the optimizer state (and the parameters): they live in pinned host memory between steps.
 
 AdamW keeps two fp32 moments per parameter, twice the parameters' own bytes. With
 `Strategy(offload_opt_state=True)` those arrays stay in the `pinned_host` memory of
@@ -6,6 +6,11 @@ each device's host (same sharding, other memory kind): the compiled step copies 
 to the device for the update and back afterwards. Device memory between steps drops
 by the optimizer state's bytes; each step moves them host -> device -> host once
 (`2 x 8 bytes` per local parameter for AdamW), which a GPU overlaps with compute.
+
+`Strategy(offload_params=True)` does the same with the model's arrays (under FSDP
+each device's shard): they are copied to the device before the forward pass, and
+the updated arrays back after the update (4 bytes each way per local fp32 parameter).
+Between steps the device then holds neither; inside the step, as without offload.
 """
 
 from __future__ import annotations
@@ -21,14 +26,22 @@ def check_host_memory() -> None:
     """A `ValueError` where the devices have no pinned host memory to offload to."""
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     if HOST not in kinds:
-        raise ValueError(f"optimizer-state offload needs {HOST!r} memory, and {jax.devices()[0].platform} devices "
-                         f"offer only {sorted(kinds)}; drop offload_opt_state (--offload-opt-state).")
+        raise ValueError(f"host offload needs {HOST!r} memory, and {jax.devices()[0].platform} devices "
+                         f"offer only {sorted(kinds)}; drop offload_opt_state and offload_params "
+                         "(--offload-opt-state, --offload-params).")
 
 
 def place_on_host(tree: PyTree) -> PyTree:
     """Each array of `tree` moved to its own sharding's `pinned_host` memory (outside `jit`)."""
     arrays, static = eqx.partition(tree, eqx.is_array)
     moved = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(HOST)), arrays)
+    return eqx.combine(moved, static)
+
+
+def place_on_device(tree: PyTree) -> PyTree:
+    """Each array of `tree` moved back to its sharding's device memory (outside `jit`)."""
+    arrays, static = eqx.partition(tree, eqx.is_array)
+    moved = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), arrays)
     return eqx.combine(moved, static)
 
 
@@ -42,4 +55,4 @@ def to_host(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host) if eqx.is_array(x) else x, tree)
 
 
-__all__ = ["HOST", "check_host_memory", "place_on_host", "to_device", "to_host"]
+__all__ = ["HOST", "check_host_memory", "place_on_host", "place_on_device", "to_device", "to_host"]

@@ -106,6 +106,8 @@ class Strategy:
       `eqgpt.parallel.zero`.
     - `offload_opt_state`: keep the optimizer state in pinned host memory between
       steps (`eqgpt.parallel.offload`).
+    - `offload_params`: keep the model's arrays there too (with FSDP each device's
+      shard): the step copies them in before the forward pass and the updated ones out.
 
     Build from flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)`.
     """
@@ -118,10 +120,11 @@ class Strategy:
     overrides: Mapping[str, Rules] | None = None
     zero: Literal[0, 1, 2] = 0
     offload_opt_state: bool = False
+    offload_params: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "rules", preset_rules(self.rules))
-        if self.offload_opt_state:
+        if self.offload_opt_state or self.offload_params:
             from eqgpt.parallel.offload import check_host_memory
 
             check_host_memory()
@@ -173,13 +176,14 @@ class Strategy:
         manual: bool = False,
         zero: Literal[0, 1, 2] = 0,
         offload_opt_state: bool = False,
+        offload_params: bool = False,
     ) -> Strategy:
         """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
 
         **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
         `rules` (presets joined by `+`), `pipeline` (a schedule name or `None`),
         `microbatches`, `virtual_stages`, `context` ("ring", "allgather" or `None`),
-        `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`.
+        `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`.
         """
         pipe = PipelineConfig(pipeline, microbatches, virtual_stages) if pipeline else None
         ctx = None
@@ -188,7 +192,7 @@ class Strategy:
 
             ctx = ContextConfig(impl=context)
         return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
-                   offload_opt_state=offload_opt_state)
+                   offload_opt_state=offload_opt_state, offload_params=offload_params)
 
     # ------------------------------------------------------------------ what it uses
 
@@ -214,7 +218,9 @@ class Strategy:
 
     def describe(self) -> str:
         """A one-line label: `fsdp+tp | pipeline 1f1b m=8 | context ring | manual`."""
-        offload = " | optimizer state on host" if self.offload_opt_state else ""
+        on_host = [what for what, flag in (("parameters", self.offload_params),
+                                           ("optimizer state", self.offload_opt_state)) if flag]
+        offload = f" | {' and '.join(on_host)} on host" if on_host else ""
         if self.mesh is None:
             return "single device" + offload
         parts = [self.rules.name]
@@ -273,7 +279,9 @@ class Strategy:
         return self.batch_divisor * (self.pipeline.microbatches if self.pipeline else 1)
 
     def prepare(self, model: PyTree) -> PyTree:
-        """Install what the strategy needs into the model without touching its arrays (context kernels)."""
+        """Install what the strategy needs into the model (context kernels; with
+        `offload_params` its arrays move to host memory)."""
+        model = self._to_host(model, self.offload_params)
         if self.context is None or self.mesh is None:
             return model
         from eqgpt.parallel.context import use_context_attention
@@ -295,34 +303,56 @@ class Strategy:
     def init_opt_state(self, optimizer: Any, model: PyTree) -> PyTree:
         """The optimizer state, each moment created next to its parameter (in host memory
         with `offload_opt_state`)."""
+        model = self.on_device(model)  # created from device copies, whatever `offload_params`
         return self._offloaded(self.placement_for(model).init_opt_state(optimizer, model))
 
     def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """An existing optimizer state moved next to its parameters."""
+        model = self.on_device(model)
         return self._offloaded(self.placement_for(model).place_opt_state(opt_state, model))
 
     def _offloaded(self, opt_state: PyTree) -> PyTree:
-        if not self.offload_opt_state:
-            return opt_state
+        return self._to_host(opt_state, self.offload_opt_state)
+
+    @staticmethod
+    def _to_host(tree: PyTree, offloaded: bool) -> PyTree:
+        if not offloaded:
+            return tree
         from eqgpt.parallel.offload import place_on_host
 
-        return place_on_host(opt_state)
+        return place_on_host(tree)
+
+    @staticmethod
+    def _moved(tree: PyTree, offloaded: bool, where: str) -> PyTree:
+        if not offloaded:
+            return tree
+        from eqgpt.parallel import offload
+
+        return offload.to_device(tree) if where == "device" else offload.to_host(tree)
 
     def fetch_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the optimizer state where the update reads it (device memory)."""
-        if not self.offload_opt_state:
-            return opt_state
-        from eqgpt.parallel.offload import to_device
-
-        return to_device(opt_state)
+        return self._moved(opt_state, self.offload_opt_state, "device")
 
     def stash_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the updated optimizer state where it lives between steps."""
-        if not self.offload_opt_state:
-            return opt_state
-        from eqgpt.parallel.offload import to_host
+        return self._moved(opt_state, self.offload_opt_state, "host")
 
-        return to_host(opt_state)
+    def fetch_params(self, model: PyTree) -> PyTree:
+        """Inside a compiled function: the model with its arrays in device memory."""
+        return self._moved(model, self.offload_params, "device")
+
+    def stash_params(self, model: PyTree) -> PyTree:
+        """Inside the step: the updated model where it lives between steps."""
+        return self._moved(model, self.offload_params, "host")
+
+    def on_device(self, model: PyTree) -> PyTree:
+        """Outside `jit`: the model with its arrays in device memory (to sample from or export)."""
+        if not self.offload_params:
+            return model
+        from eqgpt.parallel.offload import place_on_device
+
+        return place_on_device(model)
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (a `Batch`): rows split as the strategy's loss expects."""
@@ -390,7 +420,14 @@ class Strategy:
         """`loss_fn(model, batch) -> (loss, aux)` in this strategy's layout (validation; no gradients).
 
         `model_like` (the model or its `eqx.filter_eval_shape`) is needed by the manual path only.
+        With `offload_params` it reads the model from host memory.
         """
+        loss = self._loss_fn(chunk_size, z_loss, model_like)
+        if not self.offload_params:
+            return loss
+        return lambda model, batch: loss(self.fetch_params(model), batch)
+
+    def _loss_fn(self, chunk_size: int, z_loss: float, model_like: PyTree) -> LossFn:
         if self.manual:
             from eqgpt.parallel.manual import manual_loss_fn
 
@@ -428,7 +465,7 @@ class Strategy:
 
             return _plain_positions_only(manual_grad_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
                                                         chunk_size=chunk_size, z_loss=z_loss, policy=policy))
-        return policy.value_and_grad(self.loss_fn(chunk_size=chunk_size, z_loss=z_loss))
+        return policy.value_and_grad(self._loss_fn(chunk_size, z_loss, model_like))
 
     def sharded_update(self, update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]):
         """The optimizer update `update(grads, opt_state, params) -> (params, opt_state)` as this

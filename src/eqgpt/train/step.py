@@ -115,13 +115,14 @@ def make_train_step(
             raise ValueError("this policy scales the loss: create the state with "
                              "TrainState(..., loss_scale=policy.loss_scale_state()).")
         scaled = grad_fn if state.loss_scale is None else functools.partial(grad_fn, loss_scale=state.loss_scale.scale)
-        (loss, aux), grads = accumulate(scaled, state.model, batch, accum_steps)
+        model_in = strategy.fetch_params(state.model)  # from host memory if offloaded
+        (loss, aux), grads = accumulate(scaled, model_in, batch, accum_steps)
         finite = jnp.isfinite(loss) & all_finite(grads)
-        params = eqx.filter(state.model, eqx.is_array)
+        params = eqx.filter(model_in, eqx.is_array)
         old_opt = strategy.fetch_opt_state(state.opt_state)  # from host memory if offloaded
         new_params, new_opt = update(grads, old_opt, params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        model = eqx.combine(keep(new_params, params), eqx.filter(state.model, eqx.is_array, inverse=True))
+        model = strategy.stash_params(eqx.combine(keep(new_params, params), eqx.filter(model_in, eqx.is_array, inverse=True)))
         opt_state = strategy.stash_opt_state(keep(new_opt, old_opt))
         skipped = (~finite).astype(jnp.int32)
         loss_scale = None if state.loss_scale is None else state.loss_scale.adjust(finite)
@@ -132,7 +133,7 @@ def make_train_step(
             metrics["loss_scale"] = state.loss_scale.scale
         return new_state, metrics
 
-    # An offloaded optimizer state is not donated: jax 0.10 aborts aliasing a pinned_host input
+    # Offloaded arrays are not donated: jax 0.10 aborts aliasing a pinned_host input
     # buffer to the step's output, so under offload the step donates nothing.
-    donate = donate and not strategy.offload_opt_state
+    donate = donate and not (strategy.offload_opt_state or strategy.offload_params)
     return eqx.filter_jit(step, donate="all" if donate else "none")
