@@ -240,7 +240,7 @@ def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -
         return None
     return Checkpointer(cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
                         keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
-                        config={"model": model_cfg, "data_order": {"seed": cfg.seed},
+                        config={"model": model_cfg.architecture(), "data_order": {"seed": cfg.seed},
                                 "recipe": dataclasses.asdict(cfg)})
 
 

@@ -207,6 +207,14 @@ def test_different_model_config_is_named(saved):
         Checkpointer(directory, config=other).restore(state)
 
 
+def test_how_the_layers_run_may_change_on_resume():
+    # The recipe's checkpoints compare `GPTConfig.architecture()`: kernel, remat and
+    # scan/unroll change how the same parameters are run, not which parameters they are.
+    running = TINY.replace(attention_kernel="blockwise", remat="full", scan_layers=not TINY.scan_layers)
+    assert running.architecture() == TINY.architecture()
+    assert TINY.replace(num_layers=3).architecture() != TINY.architecture()
+
+
 def test_different_state_layout_is_named(saved):
     directory, state, config = saved
     def abstract(config, optimizer):  # shapes only: the layout check needs no arrays

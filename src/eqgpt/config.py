@@ -81,6 +81,13 @@ class GPTConfig:
     def hidden_dim(self) -> int:
         return 4 * self.embed_dim if self.mlp_dim is None else self.mlp_dim
 
+    def architecture(self) -> dict:
+        """The fields that fix the parameters and the function they compute: every field but
+        how the layers run (`attention_kernel`, `remat`, `scan_layers`), which a run may
+        change when it resumes from a checkpoint."""
+        how = ("attention_kernel", "remat", "scan_layers")
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in how}
+
     def replace(self, **changes) -> GPTConfig:
         """A copy with `changes` applied (and validated)."""
         return dataclasses.replace(self, **changes)
