@@ -97,11 +97,11 @@ def main():
         a = jax.random.normal(jax.random.key(1), lhs)
         b = jax.random.normal(jax.random.key(2), rhs)
         f = jax.jit(lambda a, b, dims=dims: jax.lax.dot_general(a, b, dims))
-        xla = median_ms(lambda: jax.block_until_ready(f(a, b)), args.repeats)
+        xla = median_ms(lambda f=f, a=a, b=b: jax.block_until_ready(f(a, b)), args.repeats)
         spec = einsum_spec(lhs, rhs, dims)
         if torch is not None:
             ta, tb = torch.from_numpy(np.array(a)), torch.from_numpy(np.array(b))
-            pt = median_ms(lambda: torch.einsum(spec, ta, tb), args.repeats)
+            pt = median_ms(lambda spec=spec, ta=ta, tb=tb: torch.einsum(spec, ta, tb), args.repeats)
         else:
             pt = float("nan")
         flops = 2 * np.prod(lhs) * np.prod([rhs[j] for j in range(len(rhs)) if j not in dims[0][1] + dims[1][1]])
