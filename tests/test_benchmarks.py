@@ -1,0 +1,53 @@
+"""The benchmark scripts whose logic is more than timing: run small, on CPU."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def load(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize("lhs, rhs, dims", [
+    ((6, 4), (4, 5), (((1,), (0,)), ((), ()))),                # x @ w
+    ((6, 4), (6, 5), (((0,), (0,)), ((), ()))),                # x.T @ dy (a weight gradient)
+    ((2, 3, 6, 4), (2, 3, 5, 4), (((3,), (3,)), ((0, 1), (0, 1)))),  # attention scores
+    ((2, 3, 6, 5), (2, 3, 6, 4), (((2,), (2,)), ((0, 1), (0, 1)))),  # p.T @ dO
+])
+def test_matmul_floor_writes_each_dot_general_as_the_same_einsum(lhs, rhs, dims):
+    floor = load("matmul_floor")
+    a, b = jax.random.normal(jax.random.key(0), lhs), jax.random.normal(jax.random.key(1), rhs)
+    np.testing.assert_allclose(np.einsum(floor.einsum_spec(lhs, rhs, dims), a, b),
+                               jax.lax.dot_general(a, b, dims), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_floor_finds_every_matmul_of_the_step():
+    floor = load("matmul_floor")
+
+    def f(x, w):
+        def layer(h, wi):
+            return jnp.tanh(h @ wi), None
+        return jax.lax.scan(layer, x, w)[0].sum()
+
+    shapes = floor.dot_shapes(jax.make_jaxpr(jax.grad(f, argnums=1))(jnp.ones((3, 4)), jnp.ones((5, 4, 4))).jaxpr)
+    assert sum(shapes.values()) == 5 * 3  # per layer: forward, and two in the backward pass
+
+
+def test_gpu_mfu_script_runs_on_cpu_when_asked(capsys):
+    assert load("gpu_mfu").main(["--cpu", "--preset", "nano", "--kernel", "reference", "--precision", "fp32",
+                                 "--batch", "2", "--steps", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU" in out and "step time" in out and "final loss" in out
