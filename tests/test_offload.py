@@ -70,3 +70,16 @@ def test_the_strategy_says_where_the_state_lives():
     assert "optimizer state on host" in Strategy(make_mesh("data=8"), "dp", offload_opt_state=True).describe()
     assert Strategy(make_mesh("fsdp=8"), "fsdp", offload_opt_state=True, offload_params=True).describe() == \
         "fsdp | parameters and optimizer state on host"
+
+
+def test_offloaded_state_saves_and_restores_into_host_memory(tmp_path):
+    from eqgpt.train.checkpoint import Checkpointer
+
+    _, state, _, _ = train(CASES["fsdp-params"](True), steps=1)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, state)
+    restored = Checkpointer(tmp_path).restore(state).state
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        if eqx.is_array(x) and eqx.is_inexact_array(x):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            assert x.sharding == y.sharding  # pinned_host, each device's shard

@@ -168,7 +168,8 @@ def _checksum(x: Array) -> UInt32[Array, ""]:
 
 @jax.jit
 def _checksums(arrays: dict[str, Array]) -> dict[str, Array]:
-    return {k: _checksum(v) for k, v in arrays.items()}
+    # Arrays offloaded to host memory (`eqgpt.parallel.offload`) are read on the device.
+    return {k: _checksum(jax.device_put(v, jax.memory.Space.Device)) for k, v in arrays.items()}
 
 
 def checksums(arrays: Mapping[str, Array]) -> dict[str, int]:
