@@ -135,13 +135,16 @@ def test_packed_document_equals_alone_under_context_parallelism(impl):
             np.testing.assert_allclose(np.asarray(x), y, rtol=1e-4, atol=1e-6)
 
 
-def test_pipeline_and_manual_paths_refuse_per_row_positions():
-    from eqgpt.parallel.strategy import check_plain_positions
+@pytest.mark.parametrize("flags", [dict(pipeline="1f1b", microbatches=2), dict(manual=True)], ids=["pipeline", "manual"])
+def test_pipeline_and_manual_paths_refuse_per_row_positions(flags):
+    from eqgpt.parallel import Strategy
 
     packed, _, _ = two_documents()
-    check_plain_positions(Batch(packed.tokens, packed.targets, segment_ids=packed.segment_ids))
-    with pytest.raises(ValueError, match="pipeline and manual"):
-        check_plain_positions(packed)
+    rows = jax.tree.map(lambda x: np.tile(np.asarray(x), (8, 1)), packed)
+    strategy = Strategy.parse("pipeline=2,data=4" if "pipeline" in flags else "data=8", "dp", **flags)
+    model = strategy.place_model(make_model("rope"))
+    with pytest.raises(ValueError, match="Batch.positions"):  # before anything compiles
+        strategy.grad_fn(model_like=model)(model, strategy.batch(rows))
 
 
 def test_packed_recipe_resumes_bitwise(tmp_path):

@@ -61,22 +61,6 @@ class PipelineConfig:
             raise ValueError(f"microbatches and virtual_stages must be >= 1, got {self}.")
 
 
-def check_plain_positions(batch: Batch) -> None:
-    """Raise `ValueError` for per-row positions, on the paths that do not pass them to the model yet."""
-    if getattr(batch, "positions", None) is not None:
-        raise ValueError("Batch.positions (per-row positions of packed documents) are not supported by the "
-                         "pipeline and manual paths yet; use one device, the automatic path or context "
-                         "parallelism, or leave them None (positions 0..seq-1).")
-
-
-def _plain_positions_only(fn: Callable) -> Callable:
-    def checked(model, batch, **kwargs):
-        check_plain_positions(batch)
-        return fn(model, batch, **kwargs)
-
-    return checked
-
-
 def lm_batch_loss(model: PyTree, batch: Batch, *, chunk_size: int = 128, z_loss: float = 0.0):
     """`eqgpt.nn.lm_loss` of `model` on a `Batch` (the single-device and automatic-path loss).
 
@@ -431,8 +415,8 @@ class Strategy:
         if self.manual:
             from eqgpt.parallel.manual import manual_loss_fn
 
-            return _plain_positions_only(manual_loss_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
-                                                        chunk_size=chunk_size, z_loss=z_loss))
+            return manual_loss_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
+                                  chunk_size=chunk_size, z_loss=z_loss)
         if self.context is not None:
             from eqgpt.parallel.context import context_loss_fn
 
@@ -463,8 +447,8 @@ class Strategy:
         if self.manual:
             from eqgpt.parallel.manual import manual_grad_fn
 
-            return _plain_positions_only(manual_grad_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
-                                                        chunk_size=chunk_size, z_loss=z_loss, policy=policy))
+            return manual_grad_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
+                                  chunk_size=chunk_size, z_loss=z_loss, policy=policy)
         return policy.value_and_grad(self._loss_fn(chunk_size, z_loss, model_like))
 
     def sharded_update(self, update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]):
@@ -478,4 +462,4 @@ class Strategy:
                            manual=self.manual)
 
 
-__all__ = ["Strategy", "PipelineConfig", "GradFn", "LossFn", "lm_batch_loss", "check_plain_positions"]
+__all__ = ["Strategy", "PipelineConfig", "GradFn", "LossFn", "lm_batch_loss"]
