@@ -310,9 +310,9 @@ class Strategy:
     def _moved(tree: PyTree, offloaded: bool, where: str) -> PyTree:
         if not offloaded:
             return tree
-        from eqgpt.parallel import offload
+        from eqgpt.parallel.offload import to_device, to_host
 
-        return offload.to_device(tree) if where == "device" else offload.to_host(tree)
+        return to_device(tree) if where == "device" else to_host(tree)
 
     def fetch_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the optimizer state where the update reads it (device memory)."""
