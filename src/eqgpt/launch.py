@@ -159,23 +159,14 @@ def launch(
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    for rank in range(nproc):
-        p = subprocess.Popen(
-            [sys.executable, *command],
-            env=child_env(rank, nproc, port, devices_per_proc, platform),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock), daemon=True)
-        t.start()
-        pumps.append(t)
-
     signals_seen = []
 
     def forward(signum, _frame):
         signals_seen.append(signum)
         _signal_all(procs, signal.SIGKILL if len(signals_seen) > 1 else signum)
 
+    # Forward signals from before the first rank starts: a rank may be up (and its
+    # supervisor signalled) before this thread reaches the wait loop.
     old = {}
     if threading.current_thread() is threading.main_thread():
         old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -184,6 +175,18 @@ def launch(
     start = time.monotonic()
     status: int | None = None
     try:
+        for rank in range(nproc):
+            p = subprocess.Popen(
+                [sys.executable, *command],
+                env=child_env(rank, nproc, port, devices_per_proc, platform),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+        if signals_seen:  # signalled while the ranks were starting: the later ones get it too
+            _signal_all(procs, signals_seen[-1])
         while any(p.poll() is None for p in procs):
             if first_failure is None:
                 for rank, p in enumerate(procs):
