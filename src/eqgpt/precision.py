@@ -99,6 +99,11 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
     return optax.GradientTransformation(init, update)
 
 
+def scale_value(loss_scale) -> Float[Array, ""]:
+    """The loss scale as the fp32 scalar a gradient function multiplies the loss by (1 for `None`)."""
+    return jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+
+
 def unscale(grads: PyTree, loss_scale) -> PyTree:
     """`grads / loss_scale`, each computed in fp32 and returned in its own dtype.
 
@@ -172,7 +177,7 @@ class Policy:
         grad = eqx.filter_value_and_grad(loss_of, has_aux=True)
 
         def grad_fn(model, batch, loss_scale=None):
-            scale = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+            scale = scale_value(loss_scale)
             (_, (loss, aux)), grads = grad(model, batch, scale)
             return (loss, aux), grads if loss_scale is None else unscale(grads, scale)
 

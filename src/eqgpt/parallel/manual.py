@@ -42,7 +42,7 @@ from eqgpt.parallel.tensor import (
     tensor_parallel_specs,
     vocab_parallel_loss_sums,
 )
-from eqgpt.precision import Policy, unscale
+from eqgpt.precision import Policy, scale_value, unscale
 
 TENSOR = "tensor"
 
@@ -221,7 +221,7 @@ def manual_grad_fn(
         """**Arguments:** the plain model, a `Batch` and optionally the dynamic loss scale.
         **Returns:** `((loss, aux), grads)`."""
         plan.check_batch(batch)
-        return mapped(model, batch, jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32))
+        return mapped(model, batch, scale_value(loss_scale))
 
     return grad_fn
 

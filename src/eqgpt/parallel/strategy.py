@@ -36,6 +36,13 @@ from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_loss
 from eqgpt.nn.protocol import num_layers
 from eqgpt.parallel.mesh import make_mesh
+from eqgpt.parallel.offload import (
+    check_host_memory,
+    place_on_device,
+    place_on_host,
+    to_device,
+    to_host,
+)
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
 from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.precision import Policy
@@ -109,8 +116,6 @@ class Strategy:
     def __post_init__(self):
         object.__setattr__(self, "rules", preset_rules(self.rules))
         if self.offload_opt_state or self.offload_params:
-            from eqgpt.parallel.offload import check_host_memory
-
             check_host_memory()
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero must be 0, 1 or 2 (ZeRO stage), got {self.zero!r}.")
@@ -265,7 +270,7 @@ class Strategy:
     def prepare(self, model: PyTree) -> PyTree:
         """Install what the strategy needs into the model (context kernels; with
         `offload_params` its arrays move to host memory)."""
-        model = self._to_host(model, self.offload_params)
+        model = place_on_host(model) if self.offload_params else model
         if self.context is None or self.mesh is None:
             return model
         from eqgpt.parallel.context import use_context_attention
@@ -296,47 +301,27 @@ class Strategy:
         return self._offloaded(self.placement_for(model).place_opt_state(opt_state, model))
 
     def _offloaded(self, opt_state: PyTree) -> PyTree:
-        return self._to_host(opt_state, self.offload_opt_state)
-
-    @staticmethod
-    def _to_host(tree: PyTree, offloaded: bool) -> PyTree:
-        if not offloaded:
-            return tree
-        from eqgpt.parallel.offload import place_on_host
-
-        return place_on_host(tree)
-
-    @staticmethod
-    def _moved(tree: PyTree, offloaded: bool, where: str) -> PyTree:
-        if not offloaded:
-            return tree
-        from eqgpt.parallel.offload import to_device, to_host
-
-        return to_device(tree) if where == "device" else to_host(tree)
+        return place_on_host(opt_state) if self.offload_opt_state else opt_state
 
     def fetch_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the optimizer state where the update reads it (device memory)."""
-        return self._moved(opt_state, self.offload_opt_state, "device")
+        return to_device(opt_state) if self.offload_opt_state else opt_state
 
     def stash_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the updated optimizer state where it lives between steps."""
-        return self._moved(opt_state, self.offload_opt_state, "host")
+        return to_host(opt_state) if self.offload_opt_state else opt_state
 
     def fetch_params(self, model: PyTree) -> PyTree:
         """Inside a compiled function: the model with its arrays in device memory."""
-        return self._moved(model, self.offload_params, "device")
+        return to_device(model) if self.offload_params else model
 
     def stash_params(self, model: PyTree) -> PyTree:
         """Inside the step: the updated model where it lives between steps."""
-        return self._moved(model, self.offload_params, "host")
+        return to_host(model) if self.offload_params else model
 
     def on_device(self, model: PyTree) -> PyTree:
         """Outside `jit`: the model with its arrays in device memory (to sample from or export)."""
-        if not self.offload_params:
-            return model
-        from eqgpt.parallel.offload import place_on_device
-
-        return place_on_device(model)
+        return place_on_device(model) if self.offload_params else model
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (a `Batch`): rows split as the strategy's loss expects."""

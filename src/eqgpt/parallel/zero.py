@@ -64,6 +64,7 @@ from eqgpt.parallel.collectives import (
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules
 from eqgpt.parallel.shard_map import filter_shard_map, is_spec
+from eqgpt.precision import scale_value
 
 Update = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
 ZERO_AXIS = "data"
@@ -334,7 +335,7 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
         mapped = filter_shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), batch_spec, PartitionSpec()),
                                   out_specs=((PartitionSpec(), {"nll": PartitionSpec(), "z_loss": PartitionSpec()}),
                                              grad_specs))
-        return mapped(model, batch, jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32))
+        return mapped(model, batch, scale_value(loss_scale))
 
     return grad_fn
 

@@ -105,7 +105,7 @@ from eqgpt.parallel.pipeline.lowering import (
 )
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules, preset_rules
-from eqgpt.precision import Policy, unscale
+from eqgpt.precision import Policy, scale_value, unscale
 from eqgpt.profile.memory import memory
 
 _log = logging.getLogger(__name__)
@@ -506,8 +506,7 @@ class PipelineGradFn:
         step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
                           width=width, policy=self.policy, context_axis=context_axis)
         staged = jax.tree.map(lambda a: to_stages(a, p, v), blocks)
-        scale = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
-        terms, g_blocks, g_rest = step(staged, rest, fields, positions, scale)
+        terms, g_blocks, g_rest = step(staged, rest, fields, positions, scale_value(loss_scale))
         grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
         leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
         return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), jax.tree.unflatten(layout, leaves)
