@@ -1,6 +1,6 @@
 """eqgpt: GPT models in JAX and Equinox, distributed and proven equal to one device."""
 
-from eqgpt.config import PRESETS, GPTConfig, preset
+from eqgpt.config import PRESETS, GPTConfig, MoEConfig, preset
 
 __version__ = "0.1.0"
-__all__ = ["GPTConfig", "PRESETS", "preset", "__version__"]
+__all__ = ["GPTConfig", "MoEConfig", "PRESETS", "preset", "__version__"]

@@ -8,6 +8,54 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (see `eqgpt.nn.MoE`, `docs/parallelism/expert.md`).
+
+    **Fields:**
+
+    - `num_experts`: routed experts per MoE layer.
+    - `top_k`: experts each token is sent to (1 = Switch, 2 = Mixtral/GShard).
+    - `capacity_factor`: slots per expert and sequence are
+      `ceil(capacity_factor * seq * top_k / num_experts)`; assignments past them are
+      dropped (the token keeps its residual). Ignored when `dropless`.
+    - `dropless`: no capacity; every assignment is computed (grouped matmul).
+    - `every`: every n-th layer is an MoE layer (layers n-1, 2n-1, ...), the others dense.
+    - `num_shared`: shared experts every token goes through (DeepSeek), as one MLP
+      `num_shared` times an expert's width.
+    - `expert_dim`: hidden width of one expert (default: the dense `hidden_dim`).
+    - `renormalize`: with `top_k > 1`, scale the chosen experts' router probabilities
+      to sum to 1 (Mixtral); else use them as they are.
+    - `aux_loss_weight`: weight of the Switch/GShard load-balancing loss.
+    - `router_z_weight`: weight of the router z-loss `mean(logsumexp(router logits)^2)`.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    every: int = 1
+    num_shared: int = 0
+    expert_dim: int | None = None
+    renormalize: bool = True
+    aux_loss_weight: float = 0.01
+    router_z_weight: float = 0.001
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ValueError(f"GPTConfig.moe.num_experts must be >= 1, got {self.num_experts}.")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"GPTConfig.moe.top_k must be between 1 and num_experts ({self.num_experts}), "
+                             f"got {self.top_k}: a token cannot pick more experts than there are.")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"GPTConfig.moe.capacity_factor must be > 0, got {self.capacity_factor}; "
+                             "use e.g. 1.25, or dropless=True for no capacity limit.")
+        if self.every < 1 or self.num_shared < 0 or (self.expert_dim is not None and self.expert_dim < 1):
+            raise ValueError(f"GPTConfig.moe: every >= 1, num_shared >= 0 and expert_dim >= 1 are required, got {self}.")
+        if self.aux_loss_weight < 0 or self.router_z_weight < 0:
+            raise ValueError(f"GPTConfig.moe loss weights must be >= 0, got {self}.")
+
+
+@dataclass(frozen=True)
 class GPTConfig:
     """Sizes and choices of a GPT. Validated on construction.
 
@@ -23,6 +71,7 @@ class GPTConfig:
       `eqgpt.nn.kernels.register_kernel`.
     - `mask`, `window`: "causal" or "sliding" (with `window` keys).
     - `remat`: gradient checkpointing per block (see `eqgpt.nn.remat`).
+    - `moe`: a `MoEConfig` to make the feed-forward layers Mixture-of-Experts; `None`: dense.
     - `scan_layers`: run the layers as one `jax.lax.scan` (compile time independent
       of depth). `False` unrolls them: XLA then keeps each layer's activations as
       separate arrays instead of copying them into and out of `[layers, ...]`
@@ -49,8 +98,14 @@ class GPTConfig:
     remat: str = "none"
     scan_layers: bool = True
     init_std: float = 0.02
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):  # read back from JSON (checkpoint metadata, exports)
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None and self.num_layers % self.moe.every:
+            raise ValueError(f"GPTConfig.moe.every ({self.moe.every}) must divide num_layers ({self.num_layers}): "
+                             "the layers repeat in groups of `every` (the last of each is MoE).")
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "embed_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}.")
@@ -103,6 +158,11 @@ PRESETS: dict[str, GPTConfig] = {
     "nano": GPTConfig(vocab_size=256, seq_len=128, num_layers=4, num_heads=4, embed_dim=128),
     "llama-nano": GPTConfig(vocab_size=256, seq_len=256, num_layers=4, num_heads=4,
                             num_kv_heads=2, embed_dim=256, mlp_dim=688, **_LLAMA),
+    # Mixture-of-Experts: 8 experts of a quarter of nano's MLP width, top-2, so the
+    # active feed-forward width per token (2 x 128) is half of nano's 512 and the
+    # total 4x; trains on the default corpus on CPU.
+    "moe-nano": GPTConfig(vocab_size=256, seq_len=128, num_layers=4, num_heads=4, embed_dim=128,
+                          moe=MoEConfig(num_experts=8, top_k=2, expert_dim=128)),
     # GPT-2 (Radford et al. 2019), with its 50257-token vocabulary.
     "gpt2-small": GPTConfig(num_layers=12, num_heads=12, embed_dim=768, **_GPT2),
     "gpt2-medium": GPTConfig(num_layers=24, num_heads=16, embed_dim=1024, **_GPT2),
@@ -111,6 +171,16 @@ PRESETS: dict[str, GPTConfig] = {
     # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (shape of a ~1B model).
     "llama-1b": GPTConfig(vocab_size=32000, seq_len=2048, num_layers=16, num_heads=32,
                           num_kv_heads=8, embed_dim=2048, mlp_dim=5632, rope_theta=500000.0, **_LLAMA),
+    # Mixtral 8x7B's shape (Jiang et al. 2024): 8 SwiGLU experts, top-2, every layer.
+    "mixtral-8x7b": GPTConfig(vocab_size=32000, seq_len=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                              embed_dim=4096, mlp_dim=14336, rope_theta=1e6,
+                              moe=MoEConfig(num_experts=8, top_k=2, dropless=True, aux_loss_weight=0.02),
+                              **{**_LLAMA, "norm_eps": 1e-5}),
+    # DeepSeek-MoE style (Dai et al. 2024): fine-grained experts (64 of 1/4 width, top-6)
+    # plus 2 shared experts, at ~2B total parameters.
+    "deepseek-moe-2b": GPTConfig(vocab_size=32000, seq_len=2048, num_layers=16, num_heads=16, embed_dim=1536,
+                                 mlp_dim=4096, moe=MoEConfig(num_experts=64, top_k=6, num_shared=2,
+                                                             expert_dim=1024, capacity_factor=1.5), **_LLAMA),
 }
 
 

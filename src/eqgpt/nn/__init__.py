@@ -9,12 +9,14 @@ from eqgpt.nn.linear import Linear
 from eqgpt.nn.loss import chunked_cross_entropy, chunked_loss_sums, lm_loss
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask, make_mask
 from eqgpt.nn.mlp import MLP, SwiGLU
+from eqgpt.nn.moe import MoE, Experts, MoEStats, moe_loss
 from eqgpt.nn.norm import LayerNorm, RMSNorm
 from eqgpt.nn.protocol import LanguageModel
 from eqgpt.nn.rope import apply_rope
 
 __all__ = [
     "GPT", "LanguageModel", "Attention", "KVCache", "Block", "Embedding", "Linear", "MLP", "SwiGLU",
+    "MoE", "Experts", "MoEStats", "moe_loss",
     "LayerNorm", "RMSNorm", "Mask", "CausalMask", "DocumentMask", "FullMask",
     "SlidingWindowMask", "make_mask", "apply_rope", "make_block", "lm_loss",
     "chunked_cross_entropy", "chunked_loss_sums", "logical_axes", "map_constraints", "LogicalAxes", "NoConstraint",

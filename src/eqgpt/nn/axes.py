@@ -10,7 +10,7 @@ Modules in `eqgpt.nn` know nothing about devices. They only say two things:
 The default `shard` is `NoConstraint`, which returns its input. `eqgpt.parallel`
 swaps in constraints bound to a mesh and a rule set; nothing here changes.
 
-Weight names: batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers.
+Weight names: batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers, expert.
 Activation names are the same, plus `inner_seq`: sequence positions inside an
 attention or MLP region, kept separate from `seq` (the residual stream) so that
 sequence parallelism can shard one and not the other.
@@ -27,7 +27,7 @@ from jaxtyping import Array, PyTree
 
 AxisNames = tuple[str | None, ...]
 
-WEIGHT_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+WEIGHT_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert")
 ACTIVATION_AXES = WEIGHT_AXES + ("inner_seq",)
 # The names a module's input goes through where a tensor-parallel region (attention, an
 # MLP) starts: inside, the sequence is whole. Strategies act on this hook call.

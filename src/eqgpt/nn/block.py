@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.attention import KVCache
 from eqgpt.nn.axes import NoConstraint
+from eqgpt.nn.moe import MoEStats, mlp_with_stats
 from eqgpt.nn.remat import apply_remat, remat_policy
 
 
@@ -53,8 +54,8 @@ class Block(eqx.Module):
             x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, **extra)
         x = self.shard(x, ("batch", "seq", "embed"))
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.mlp_norm(x))
-        return self.shard(x, ("batch", "seq", "embed"))
+            h, stats = mlp_with_stats(self.mlp, self.mlp_norm(x))
+        return self.shard(x + h, ("batch", "seq", "embed")), stats
 
     def __call__(
         self,
@@ -69,6 +70,17 @@ class Block(eqx.Module):
 
         **Returns:** the block output, shaped like `x`.
         """
+        return self.with_stats(x, positions=positions, segment_ids=segment_ids, doc_positions=doc_positions)[0]
+
+    def with_stats(
+        self,
+        x: Float[Array, "batch seq embed"],
+        *,
+        positions: Int[Array, " total_seq"] | None = None,
+        segment_ids: Int[Array, "batch total_seq"] | None = None,
+        doc_positions: Int[Array, "batch total_seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None]:
+        """As `__call__`, also returning the MoE router statistics (`None` for a dense MLP)."""
         return apply_remat(Block._forward, self.remat)(self, x, positions, segment_ids, doc_positions)
 
     def decode(

@@ -23,6 +23,7 @@ from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mask import make_mask
 from eqgpt.nn.mlp import MLP, SwiGLU
+from eqgpt.nn.moe import MoE, MoEStats
 from eqgpt.nn.norm import LayerNorm, RMSNorm, make_norm
 
 
@@ -36,9 +37,15 @@ def make_block(config: GPTConfig, *, key: PRNGKeyArray) -> Block:
         mask=make_mask(c.mask, c.window), rope_theta=c.rope_theta if c.position == "rope" else None,
         use_bias=c.use_bias, init_std=c.init_std, out_init_std=out_std, key=ka,
     )
-    mlp_cls = SwiGLU if c.mlp == "swiglu" else MLP
-    mlp = mlp_cls(c.embed_dim, c.hidden_dim, use_bias=c.use_bias, init_std=c.init_std,
-                  out_init_std=out_std, key=km)
+    if c.moe is not None:
+        m = c.moe
+        mlp = MoE(c.embed_dim, m.expert_dim or c.hidden_dim, m.num_experts, top_k=m.top_k,
+                  capacity_factor=m.capacity_factor, dropless=m.dropless, num_shared=m.num_shared, kind=c.mlp,
+                  renormalize=m.renormalize, init_std=c.init_std, out_init_std=out_std, key=km)
+    else:
+        mlp_cls = SwiGLU if c.mlp == "swiglu" else MLP
+        mlp = mlp_cls(c.embed_dim, c.hidden_dim, use_bias=c.use_bias, init_std=c.init_std,
+                      out_init_std=out_std, key=km)
     norm = lambda: make_norm(c.norm, c.embed_dim, eps=c.norm_eps, use_bias=c.use_bias)  # noqa: E731
     return Block(norm(), attn, norm(), mlp, remat=c.remat)
 
@@ -123,16 +130,29 @@ class GPT(eqx.Module):
         `positions` and the other per-token inputs cover the whole sequence, even
         where `x` holds a shard of it (manual sequence parallelism).
         """
+        return self.run_blocks_with_stats(x, positions, segment_ids, doc_positions)[0]
+
+    def run_blocks_with_stats(
+        self,
+        x: Float[Array, "batch seq embed"],
+        positions: Int[Array, " total_seq"],
+        segment_ids: Int[Array, "batch total_seq"] | None = None,
+        doc_positions: Int[Array, "batch total_seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None]:
+        """As `run_blocks`, also returning the MoE router statistics summed over the
+        layers (`None` for a dense model, or blocks without `with_stats`)."""
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         extra = {} if doc_positions is None else {"doc_positions": doc_positions}  # user blocks need not take it
 
         def layer(h, params):
             block = eqx.combine(params, static)
             with jax.named_scope("block"):
+                if hasattr(block, "with_stats"):
+                    return block.with_stats(h, positions=positions, segment_ids=segment_ids, **extra)
                 return block(h, positions=positions, segment_ids=segment_ids, **extra), None
 
-        x, _ = jax.lax.scan(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
-        return x
+        x, stats = jax.lax.scan(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
+        return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
 
     def features(
         self,
@@ -148,10 +168,23 @@ class GPT(eqx.Module):
         `doc_positions` (`[batch, seq]`, packed documents: restarting per document)
         feed the position embeddings and RoPE instead when given.
         """
+        return self.features_and_stats(tokens, positions=positions, segment_ids=segment_ids,
+                                       doc_positions=doc_positions)[0]
+
+    def features_and_stats(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        doc_positions: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch local_seq embed"], MoEStats | None]:
+        """As `features`, also returning the MoE router statistics (see `run_blocks_with_stats`)."""
         self._check_len(tokens.shape[1])
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
-        x = self.run_blocks(self.embed(tokens, positions, doc_positions), positions, segment_ids, doc_positions)
-        return self.norm(x)
+        x, stats = self.run_blocks_with_stats(self.embed(tokens, positions, doc_positions), positions,
+                                              segment_ids, doc_positions)
+        return self.norm(x), stats
 
     def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """The output head (tied to the token table unless the model has its own)."""

@@ -116,10 +116,21 @@ def lm_loss(
 
     `doc_positions`: per-row positions of packed documents (see `GPT.features`).
 
-    **Returns:** `(loss, aux)` as `chunked_cross_entropy`; use with `has_aux=True`.
+    **Returns:** `(loss, aux)` as `chunked_cross_entropy`; use with `has_aux=True`. For a
+    model with MoE layers the loss also holds their auxiliary losses, and `aux` their
+    metrics (`eqgpt.nn.moe.moe_loss`).
     """
     extra = {} if doc_positions is None else {"doc_positions": doc_positions}
-    hidden = model.features(tokens, segment_ids=segment_ids, **extra)
-    return chunked_cross_entropy(
+    if not hasattr(model, "features_and_stats"):
+        hidden, stats = model.features(tokens, segment_ids=segment_ids, **extra), None
+    else:
+        hidden, stats = model.features_and_stats(tokens, segment_ids=segment_ids, **extra)
+    loss, aux = chunked_cross_entropy(
         model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size, z_loss=z_loss
     )
+    if stats is None:
+        return loss, aux
+    from eqgpt.nn.moe import moe_loss
+
+    moe, metrics = moe_loss(stats, model.config.moe, rows=tokens.shape[0], tokens=tokens.size)
+    return loss + moe, {**aux, **metrics}
