@@ -108,3 +108,16 @@ def test_moe_model_loss_has_aux_terms_and_metrics():
 def test_moe_config_errors(field, value, match):
     with pytest.raises(ValueError, match=match):
         eqgpt.MoEConfig(**{"num_experts": 4, field: value})
+
+
+def test_every_nth_layer_is_moe_and_decodes_like_the_forward():
+    cfg = TINY.replace(num_layers=4, moe=eqgpt.MoEConfig(num_experts=4, top_k=1, every=2, capacity_factor=4.0))
+    model = eqgpt.nn.GPT(cfg, key=jax.random.key(0))
+    first, second = model.blocks.layers
+    assert not isinstance(first.mlp, MoE) and isinstance(second.mlp, MoE)
+    assert second.mlp.experts.up.shape[0] == 2  # two groups of (dense, MoE)
+    tok = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    _, aux = eqgpt.nn.lm_loss(model, tok, tok)
+    assert abs(float(aux["moe_load"].sum()) - 1) < 1e-6
+    logits, _ = model.decode(tok, model.init_cache(2, 16), 0)
+    np.testing.assert_allclose(logits, model(tok), rtol=1e-5, atol=1e-5)

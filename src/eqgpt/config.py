@@ -158,11 +158,11 @@ PRESETS: dict[str, GPTConfig] = {
     "nano": GPTConfig(vocab_size=256, seq_len=128, num_layers=4, num_heads=4, embed_dim=128),
     "llama-nano": GPTConfig(vocab_size=256, seq_len=256, num_layers=4, num_heads=4,
                             num_kv_heads=2, embed_dim=256, mlp_dim=688, **_LLAMA),
-    # Mixture-of-Experts: 8 experts of a quarter of nano's MLP width, top-2, so the
-    # active feed-forward width per token (2 x 128) is half of nano's 512 and the
-    # total 4x; trains on the default corpus on CPU.
+    # Mixture-of-Experts nano: 8 experts of half nano's MLP width, top-2: the same
+    # active parameters per token as nano (2 x 256 = its 512-wide MLP, plus a router),
+    # 4x its feed-forward parameters in all. Trains on the default corpus on CPU.
     "moe-nano": GPTConfig(vocab_size=256, seq_len=128, num_layers=4, num_heads=4, embed_dim=128,
-                          moe=MoEConfig(num_experts=8, top_k=2, expert_dim=128)),
+                          moe=MoEConfig(num_experts=8, top_k=2, expert_dim=256)),
     # GPT-2 (Radford et al. 2019), with its 50257-token vocabulary.
     "gpt2-small": GPTConfig(num_layers=12, num_heads=12, embed_dim=768, **_GPT2),
     "gpt2-medium": GPTConfig(num_layers=24, num_heads=16, embed_dim=1024, **_GPT2),

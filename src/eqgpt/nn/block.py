@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.attention import KVCache
@@ -90,3 +93,38 @@ class Block(eqx.Module):
         h, cache = self.attn.decode(self.attn_norm(x), cache, index)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class LayerGroup(eqx.Module):
+    """Consecutive layers run as one unit of the layer stack.
+
+    A model whose layers differ in a repeating pattern (`MoEConfig.every = n`: n-1
+    dense layers, then an MoE layer) stacks groups instead of layers, so the stack
+    stays one scanned structure. Each layer keeps its own remat policy.
+    """
+
+    layers: tuple[eqx.Module, ...]
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+
+    def with_stats(self, x: Float[Array, "batch seq embed"], **kw) -> tuple[Float[Array, "batch seq embed"], Any]:
+        """Each layer in turn; the MoE statistics of the group's MoE layers, summed."""
+        total = None
+        for layer in self.layers:
+            x, stats = layer.with_stats(x, **kw)
+            if stats is not None:
+                total = stats if total is None else jax.tree.map(jnp.add, total, stats)
+        return x, total
+
+    def __call__(self, x: Float[Array, "batch seq embed"], **kw) -> Float[Array, "batch seq embed"]:
+        return self.with_stats(x, **kw)[0]
+
+    def decode(self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]):
+        """One incremental step; `cache` holds the group's layers on a leading axis."""
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            x, c = layer.decode(x, KVCache(cache.k[i], cache.v[i]), index)
+            ks.append(c.k)
+            vs.append(c.v)
+        return x, KVCache(jnp.stack(ks), jnp.stack(vs))

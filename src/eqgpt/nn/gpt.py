@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqgpt.config import GPTConfig
 from eqgpt.nn.attention import Attention, KVCache
 from eqgpt.nn.axes import NoConstraint
-from eqgpt.nn.block import Block
+from eqgpt.nn.block import Block, LayerGroup
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mask import make_mask
@@ -27,8 +27,26 @@ from eqgpt.nn.moe import MoE, MoEStats
 from eqgpt.nn.norm import LayerNorm, RMSNorm, make_norm
 
 
-def make_block(config: GPTConfig, *, key: PRNGKeyArray) -> Block:
-    """One block as `config` describes it (GPT-2 init: residual outputs scaled by 1/sqrt(2L))."""
+def layers_per_block(config: GPTConfig) -> int:
+    """Layers in one entry of the stack: `MoEConfig.every` (a `LayerGroup`), else 1."""
+    return 1 if config.moe is None else config.moe.every
+
+
+def make_block(config: GPTConfig, *, key: PRNGKeyArray) -> Block | LayerGroup:
+    """One entry of the layer stack as `config` describes it: a block, or with
+    `MoEConfig.every = n > 1` a `LayerGroup` of n-1 dense blocks and an MoE block.
+
+    GPT-2 init: residual outputs scaled by 1/sqrt(2L).
+    """
+    n = layers_per_block(config)
+    if n > 1:
+        keys = jax.random.split(key, n)
+        dense = config.replace(moe=None)
+        return LayerGroup([_make_layer(dense, k) for k in keys[:-1]] + [_make_layer(config, keys[-1])])
+    return _make_layer(config, key)
+
+
+def _make_layer(config: GPTConfig, key: PRNGKeyArray) -> Block:
     c = config
     ka, km = jax.random.split(key)
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
@@ -84,7 +102,8 @@ class GPT(eqx.Module):
             Embedding(c.seq_len, c.embed_dim, axes=(None, "embed"), init_std=0.01, key=kp)
             if c.position == "learned" else None
         )
-        self.blocks = eqx.filter_vmap(lambda k: block_factory(c, key=k))(jax.random.split(kb, c.num_layers))
+        entries = c.num_layers // layers_per_block(c)
+        self.blocks = eqx.filter_vmap(lambda k: block_factory(c, key=k))(jax.random.split(kb, entries))
         self.norm = make_norm(c.norm, c.embed_dim, eps=c.norm_eps, use_bias=c.use_bias)
         self.head = (
             None if c.tie_embeddings
@@ -224,6 +243,9 @@ class GPT(eqx.Module):
         positions = index + jnp.arange(tokens.shape[1])
         x = self.embed(tokens, positions)
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        n = layers_per_block(self.config)
+        if n > 1:  # the cache's layers in the stack's groups
+            cache = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), cache)
 
         def layer(h, inputs):
             params, layer_cache = inputs
@@ -231,4 +253,6 @@ class GPT(eqx.Module):
             return h, layer_cache
 
         x, cache = jax.lax.scan(layer, x, (dynamic, cache))
+        if n > 1:
+            cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), cache)
         return self.logits(self.norm(x)), cache

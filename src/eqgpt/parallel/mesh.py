@@ -1,11 +1,12 @@
-"""Device meshes with the five named axes every eqgpt strategy speaks.
+"""Device meshes with the six named axes every eqgpt strategy speaks.
 
-A mesh always has all five axes, in this order: `data, fsdp, pipeline, context,
-tensor`. Unused axes have size 1, so rule sets can name any axis on any mesh.
+A mesh always has all six axes, in this order: `data, fsdp, pipeline, context,
+expert, tensor`. Unused axes have size 1, so rule sets can name any axis on any mesh.
 The order puts the axes that communicate least (data) outermost and those that
 communicate most (tensor) innermost: with several hosts, `jax.devices()` lists
 each host's devices together, so consecutive devices (the inner axes) share a
-host and its fast links.
+host and its fast links (`expert`, whose all-to-alls run in every MoE layer, sits
+next to `tensor`).
 """
 
 from __future__ import annotations
@@ -18,20 +19,21 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES: tuple[str, ...] = ("data", "fsdp", "pipeline", "context", "tensor")
+AXES: tuple[str, ...] = ("data", "fsdp", "pipeline", "context", "expert", "tensor")
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the five mesh axes; one size may be `-1` (fill the remaining devices).
+    """Sizes of the six mesh axes; one size may be `-1` (fill the remaining devices).
 
-    **Fields:** `data`, `fsdp`, `pipeline`, `context`, `tensor` (each >= 1, or -1).
+    **Fields:** `data`, `fsdp`, `pipeline`, `context`, `expert`, `tensor` (each >= 1, or -1).
     """
 
     data: int = 1
     fsdp: int = 1
     pipeline: int = 1
     context: int = 1
+    expert: int = 1
     tensor: int = 1
 
     def __post_init__(self):

@@ -23,12 +23,23 @@ GPU_PEAK_FLOPS = {
 
 
 def matmul_params(config: GPTConfig) -> int:
-    """Weights that take part in a matmul per token: attention, MLP and the output head."""
+    """Weights that take part in a matmul per token: attention, MLP and the output head.
+
+    For MoE layers: the router and the active experts (`top_k` routed plus the shared
+    ones), not all experts; capacity padding is not counted (it is not useful work).
+    """
     c = config
     d, kv = c.embed_dim, c.kv_heads * c.head_dim
     attn = 2 * d * d + 2 * d * kv
-    mlp = (3 if c.mlp == "swiglu" else 2) * d * c.hidden_dim
-    return c.num_layers * (attn + mlp) + d * c.vocab_size
+    per_width = (3 if c.mlp == "swiglu" else 2) * d
+    mlp = per_width * c.hidden_dim
+    layers = c.num_layers * (attn + mlp)
+    if c.moe is not None:
+        m = c.moe
+        moe_layers = c.num_layers // m.every
+        active = per_width * (m.expert_dim or c.hidden_dim) * (m.top_k + m.num_shared) + d * m.num_experts
+        layers += moe_layers * (active - mlp)
+    return layers + d * c.vocab_size
 
 
 def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:

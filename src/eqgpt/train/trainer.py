@@ -302,7 +302,8 @@ class Trainer:
 
     def _report(self, pending, mark_step, mark_time, tokens_per_step, bar, t_begin):
         step, metrics = pending
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # blocks on `step` only
+        # Blocks on `step` only. Vectors (an MoE model's per-expert `moe_load`) are written as lists.
+        m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         row = {"step": step, **m, "time": now - t_begin, "skipped_total": int(self.state.skipped)}
         if self.schedule is not None:

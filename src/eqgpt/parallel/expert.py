@@ -1,0 +1,147 @@
+"""Expert parallelism: the experts of every MoE layer split over the `expert` mesh axis.
+
+Device `j` of the axis holds experts `j*E/n .. (j+1)*E/n - 1` of each layer (the
+`expert` logical axis of `Experts`' weights maps to the `expert` mesh axis) and a
+`1/n` share of the batch's rows (the axis is a data-parallel axis everywhere but
+inside the experts). Each MoE layer routes its rows' tokens into a dense
+`[experts, rows, capacity, embed]` tensor (`eqgpt.nn.moe`), then:
+
+1. **dispatch**: `all_to_all` over `expert`, splitting the experts dimension and
+   concatenating rows: each device now holds, for its own experts, the slots of
+   every row of the `expert` group, `[E/n, n*rows, capacity, embed]`;
+2. its experts compute their slots;
+3. **combine**: the inverse `all_to_all` sends each slot back to its row's device.
+
+The backward pass is the same two all-to-alls, transposed. Per MoE layer and
+device, each all-to-all moves `(n-1)/n` of the local dispatched tensor:
+`(n-1)/n * E * rows * capacity * embed * bytes` (see `all_to_all_bytes`).
+
+`ExpertParallel` is the dispatch that does this with the kit's typed
+collectives under `jax.shard_map` over `expert` only (other axes stay with the
+automatic partitioner, so `data`, `fsdp` and `tensor` compose). Where `expert`
+is already manual (inside the pipeline's `shard_map`) it runs the per-device
+steps directly. The alternative, `ExpertConfig(impl="gspmd")`, keeps the local
+dispatch and lets GSPMD move the tokens from the activation rules.
+
+Dropless MoE under expert parallelism uses capacity = sequence length (nothing
+can drop; the all-to-all needs fixed sizes: `jax.lax.ragged_all_to_all` would
+send only the routed tokens, but does not run on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, PartitionSpec, get_abstract_mesh
+from jaxtyping import Array, Float, PyTree
+
+from eqgpt.nn.moe import Experts, LocalExperts, MoE
+from eqgpt.parallel.collectives import all_to_all
+from eqgpt.parallel.rules import Rules
+
+AXIS = "expert"
+
+#: Expert weights over `expert`; the batch over it too (it is data-parallel outside the experts).
+EP = Rules(params={"expert": AXIS}, activations={"batch": AXIS, "expert": AXIS}, name="ep")
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """How MoE layers run over the `expert` axis.
+
+    **Fields:** `impl`: "alltoall" (explicit dispatch and combine, `ExpertParallel`)
+    or "gspmd" (the local dispatch, the partitioner places the dispatched tensor
+    by the `expert` activation rule and inserts the exchanges itself).
+    """
+
+    impl: Literal["alltoall", "gspmd"] = "alltoall"
+
+    def __post_init__(self):
+        if self.impl not in ("alltoall", "gspmd"):
+            raise ValueError(f"--expert must be 'alltoall' or 'gspmd', got {self.impl!r}.")
+
+
+def exchange(experts: Experts, x: Float[Array, "experts rows slots embed"]) -> Array:
+    """One device's step: dispatch all-to-all, its own experts, combine all-to-all.
+
+    `x` holds every expert's slots for this device's rows; `experts` this device's experts.
+    """
+    sent = all_to_all(x, AXIS, split_dim=0, concat_dim=1)  # [E/n, n*rows, slots, embed]
+    return all_to_all(experts(sent), AXIS, split_dim=1, concat_dim=0)
+
+
+class ExpertParallel(eqx.Module):
+    """The dispatch of an `MoE` layer over the `expert` axis of `mesh` (see the module docstring)."""
+
+    mesh: Mesh = eqx.field(static=True)
+    # The dispatched tensor keeps the rows' layout (split over `expert` like the batch).
+    layout: tuple = eqx.field(static=True, default=(None, "batch", None, "embed"))
+    grouped: bool = eqx.field(static=True, default=False)  # fixed-size exchanges: no grouped matmul
+
+    def __call__(self, experts: Experts, x: Float[Array, "experts rows slots embed"]) -> Array:
+        if AXIS in get_abstract_mesh().manual_axes:  # inside a shard_map over `expert`: local blocks
+            return exchange(experts, x)
+        params, static = eqx.partition(experts, eqx.is_array)
+
+        def local(p, x_):
+            return exchange(eqx.combine(p, static), x_)
+
+        specs = jax.tree.map(lambda _: PartitionSpec(AXIS), params)
+        rows = PartitionSpec(None, AXIS)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(specs, rows), out_specs=rows,
+                             axis_names={AXIS})(params, x)
+
+
+def _is_moe(x) -> bool:
+    return isinstance(x, MoE)
+
+
+def moe_layers(model: PyTree) -> list[MoE]:
+    """The `MoE` layers of `model` (one per stacked block: stacked layers count once)."""
+    return [x for x in jax.tree.leaves(model, is_leaf=_is_moe) if _is_moe(x)]
+
+
+def use_dispatch(model: PyTree, dispatch: eqx.Module) -> PyTree:
+    """`model` with every MoE layer's `dispatch` replaced (the arrays are unchanged)."""
+    layers = moe_layers(model)
+    if not layers:
+        return model
+    return eqx.tree_at(lambda m: [layer.dispatch for layer in moe_layers(m)], model, [dispatch] * len(layers))
+
+
+def use_expert_parallel(model: PyTree, mesh: Mesh, config: ExpertConfig | None = None) -> PyTree:
+    """Install the dispatch of `config` (default: explicit all-to-all) into every MoE layer."""
+    config = ExpertConfig() if config is None else config
+    return use_dispatch(model, ExpertParallel(mesh) if config.impl == "alltoall" else LocalExperts())
+
+
+def check_expert(model_like: PyTree, mesh: Mesh) -> None:
+    """Raise `ValueError` for a model the `expert` axis cannot split (before any compile)."""
+    n = mesh.shape.get(AXIS, 1)
+    layers = moe_layers(model_like)
+    if not layers:
+        raise ValueError(
+            f"the mesh has expert={n} but the model has no MoE layers: the devices would repeat the same "
+            "work. Use an MoE model (--model.preset moe-nano, or GPTConfig(moe=MoEConfig(...))), or drop "
+            "expert from --mesh."
+        )
+    e = layers[0].num_experts
+    if e % n:
+        raise ValueError(
+            f"GPTConfig.moe.num_experts={e} is not divisible by the expert axis ({n} devices, --mesh expert={n}); "
+            f"use an expert axis in {[d for d in range(1, e + 1) if e % d == 0]} or change num_experts."
+        )
+
+
+def all_to_all_bytes(*, num_experts: int, rows: int, capacity: int, embed: int, n: int, itemsize: int = 4) -> float:
+    """Bytes one device sends in one all-to-all of one MoE layer: `(n-1)/n` of its
+    dispatched `[experts, rows, capacity, embed]` tensor (`rows` on this device).
+    A training step runs four per MoE layer: dispatch and combine, forward and backward."""
+    return (n - 1) / n * num_experts * rows * capacity * embed * itemsize
+
+
+__all__ = ["EP", "ExpertConfig", "ExpertParallel", "exchange", "use_expert_parallel", "use_dispatch",
+           "moe_layers", "check_expert", "all_to_all_bytes"]
