@@ -17,7 +17,8 @@ of a `jax.lax.switch`:
 Whether a virtual stage is the first (embedding) or the last (norm, head, loss)
 is a traced flag tested with `lax.cond` inside the branch, so the program has
 three branches whatever the schedule. The loss is added only on the last
-virtual stage and broadcast from it once, after the loop.
+virtual stage (an MoE layer's auxiliary losses on the stage that runs it) and
+summed over stages once, after the loop.
 
 After the branch, two `ppermute`s move the outgoing activation one stage forward
 and the outgoing gradient one stage back (around the ring when stages hold
@@ -82,13 +83,14 @@ from jaxtyping import Array
 
 from eqgpt.data.batch import Batch
 from eqgpt.nn.axes import NoConstraint, map_constraints
+from eqgpt.config import MoEConfig
 from eqgpt.nn.loss import chunked_cross_entropy
+from eqgpt.nn.moe import MoEStats, moe_loss
 from eqgpt.nn.protocol import check_language_model, num_layers
 from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.collectives import (
     all_gather,
     all_reduce,
-    broadcast,
     ppermute,
     reduce_scatter,
     to_varying,
@@ -111,8 +113,10 @@ from eqgpt.profile.memory import memory
 _log = logging.getLogger(__name__)
 
 PIPELINE = "pipeline"
-BATCH_AXES = ("data", "fsdp")
-MANUAL_AXES = (PIPELINE, *BATCH_AXES)
+BATCH_AXES = ("data", "fsdp")  # split the rows; parameters split over them are gathered per step
+EXPERT = "expert"  # splits the rows too, and the experts, which stay split (eqgpt.parallel.expert)
+ROW_AXES = (*BATCH_AXES, EXPERT)
+MANUAL_AXES = (PIPELINE, *ROW_AXES)
 
 #: Place the layer stack over the pipeline axis (merge into a strategy: `rules + PP`).
 PP = Rules(params={"layers": PIPELINE}, name="pp")
@@ -151,7 +155,7 @@ def check_pipeline(
             f"or num_layers in {ok_layers}... for this mesh."
         )
     if batch_size is not None:
-        d = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+        d = math.prod(mesh.shape.get(a, 1) for a in ROW_AXES)
         m = schedule.num_microbatches
         if batch_size % (d * m):
             raise ValueError(
@@ -165,7 +169,7 @@ def check_pipeline(
 
 @dataclass(frozen=True)
 class BatchAxes:
-    """Per dimension of a parameter, the data-parallel mesh axes (`data`, `fsdp`) splitting it.
+    """Per dimension of a parameter, the manual row axes (`data`, `fsdp`, `expert`) splitting it.
 
     A pytree leaf (not a tuple), so trees of them map cleanly next to parameter trees.
     """
@@ -182,7 +186,7 @@ def _axes_of(entry: Any) -> tuple[str, ...]:
 
 def _batch_axes(spec: PartitionSpec, ndim: int, drop_lead: bool = False) -> BatchAxes:
     entries = tuple(spec) + (None,) * (ndim - len(spec))
-    dims = tuple(tuple(a for a in _axes_of(e) if a in BATCH_AXES) for e in entries)
+    dims = tuple(tuple(a for a in _axes_of(e) if a in ROW_AXES) for e in entries)
     return BatchAxes(dims[1:] if drop_lead else dims)
 
 
@@ -242,6 +246,7 @@ def _gather_params(tree, axes_tree, lead: int = 0):
 
     def one(x, ba: BatchAxes):
         for dim, axes in enumerate(ba.dims):
+            axes = tuple(a for a in axes if a in BATCH_AXES)  # experts stay split over `expert`
             if axes:
                 x = all_gather(x, axes, dim=lead + dim)
         return x
@@ -255,9 +260,10 @@ def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BA
     def one(g, ba: BatchAxes):
         used = set()
         for dim, axes in enumerate(ba.dims):
+            used.update(axes)  # an expert's gradient lives on its device only
+            axes = tuple(a for a in axes if a in BATCH_AXES)
             if axes:
                 g = reduce_scatter(g, axes, dim=lead + dim)
-                used.update(axes)
         rest = tuple(a for a in sum_axes if a not in used)
         return all_reduce(g, rest) if rest else g
 
@@ -265,7 +271,8 @@ def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BA
 
 
 def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
-               block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None):
+               block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None,
+               moe: MoEConfig | None = None, moe_layers: int = 0):
     """The `shard_map`ped step `(staged blocks, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
 
     `width` is the model's activation width; `positions` the global position of each
@@ -273,6 +280,11 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
     batch and of the positions is split over it too (a manual axis like `data`).
     The backward pass starts from `d(loss) = loss scale` and the gradients are divided
     by it at the end (dynamic loss scaling; 1 without it).
+
+    With `moe` (the model's `MoEConfig`; `moe_layers` MoE layers in all), every stage adds its MoE layers' auxiliary
+    losses to the loss term of each microbatch it runs forward, and their router
+    statistics to the step's (`eqgpt.nn.moe.MoEStats`, summed over microbatches,
+    stages and devices); the loss's cotangent is the loss scale on every stage.
     """
     p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
     lowered = lower(schedule)
@@ -282,7 +294,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
     bwd_perm = [(i, (i - 1) % p) for i in (range(p) if ring else range(1, p))]
     seq_axes = () if context_axis is None else (context_axis,)
     manual = (*MANUAL_AXES, *seq_axes)
-    token_axes = (*BATCH_AXES, *seq_axes)  # every device here holds a share of the tokens
+    token_axes = (*ROW_AXES, *seq_axes)  # every device here holds a share of the tokens
     vary = lambda tree: to_varying(tree, manual)  # noqa: E731
 
     def step(blocks, rest, batch, positions, scale):
@@ -301,12 +313,21 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
 
         zeros_act = jnp.zeros((mb, t, width), act)
         no_terms = jnp.zeros((3,), jnp.float32)
+        zero = jnp.float32(0)
+        no_stats = None if moe is None else MoEStats(zero, zero, zero, jnp.zeros((moe.num_experts,)), zero)
+        rows_total = bl * math.prod(mesh.shape[a] for a in ROW_AXES)
+        seq_total = t * math.prod(mesh.shape[a] for a in seq_axes)
 
         def run(chunk, rest_p, x, data, first, last):
-            """One virtual stage: (input, or tokens if `first`) -> (output, loss terms if `last`)."""
+            """One virtual stage: (input, or tokens if `first`) -> (output, (loss terms if `last`, MoE stats))."""
             model = _stage_model(policy.cast_to_compute(rest_p), policy.cast_to_compute(chunk), static)
             x = jax.lax.cond(first, lambda: model.embed(data["tokens"], pos).astype(act), lambda: x)
-            h = model.run_blocks(x, pos, data.get("segment_ids"))
+            if moe is None:
+                h, stats, extra = model.run_blocks(x, pos, data.get("segment_ids")), None, 0.0
+            else:  # this chunk's MoE layers: their share of the step's auxiliary loss
+                h, stats = model.run_blocks_with_stats(x, pos, data.get("segment_ids"))
+                extra = moe_loss(stats._replace(layers=jnp.float32(moe_layers)), moe,
+                                 rows=rows_total, tokens=rows_total * seq_total)[0]
 
             def loss_terms(h):
                 # This device's positions only (all of them, or its context shard): the
@@ -319,11 +340,12 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
                 count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(mb * t)
                 return jnp.maximum(count, 1.0) / total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
 
-            return h, jax.lax.cond(last, loss_terms, lambda h: vary(no_terms), h)
+            terms = jax.lax.cond(last, loss_terms, lambda h: vary(no_terms), h)
+            return h, (terms.at[0].add(extra), stats)
 
         def idle(chunk, rest_p, x, dy, data, first, last):
             zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
-            return vary((zeros_act, zeros_act, *zeros, no_terms))
+            return vary((zeros_act, zeros_act, *zeros, (no_terms, no_stats)))
 
         def forward(chunk, rest_p, x, dy, data, first, last):
             y, terms = run(chunk, rest_p, x, data, first, last)
@@ -332,12 +354,13 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
 
         def backward(chunk, rest_p, x, dy, data, first, last):
             # Recompute the stage from its saved input, then pull back: the gradient that
-            # came from the next stage, or d(loss) = the loss scale (1 unscaled) on the last virtual stage.
+            # came from the next stage (none on the last virtual stage), and d(loss) = the
+            # loss scale (1 unscaled): the last virtual stage's loss, every stage's MoE losses.
             (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last), chunk, rest_p, x)
             cot_y = jnp.where(last, 0.0, dy).astype(y.dtype)
-            cot_terms = jnp.where(last, jnp.stack([scale, 0.0, 0.0]), 0.0)
+            cot_terms = (jnp.stack([scale, 0.0, 0.0]), jax.tree.map(jnp.zeros_like, terms[1]))
             d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
-            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), d_chunk, d_rest, no_terms))
+            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), d_chunk, d_rest, (no_terms, no_stats)))
 
         branches = [idle, forward, backward]
 
@@ -357,26 +380,27 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             acts = acts.at[row[ACT_WRITE]].set(ppermute(send_f, PIPELINE, fwd_perm), mode="drop")
             grads_in = grads_in.at[row[GRAD_WRITE]].set(
                 ppermute(send_b, PIPELINE, bwd_perm), mode="drop")
-            return (acts, grads_in, g_blocks, g_rest, terms + d_terms), None
+            return (acts, grads_in, g_blocks, g_rest, jax.tree.map(jnp.add, terms, d_terms)), None
 
         init = vary((
             jnp.zeros((lowered.act_slots, mb, t, width), act),
             jnp.zeros((lowered.grad_slots, mb, t, width), act),
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), blocks),
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest),
-            jnp.zeros((3,), jnp.float32),
+            (no_terms, no_stats),
         ))
         (_, _, g_blocks, g_rest, terms), _ = jax.lax.scan(tick, init, program)
-        # Once per step: the loss from the last stage to every stage, then sums over
-        # the data-parallel devices; embedding/head gradients summed over stages.
-        terms = all_reduce(broadcast(terms, PIPELINE, root=p - 1), token_axes)
+        # Once per step: the loss terms summed over stages (the last stage's loss, every
+        # stage's MoE terms) and over the data-parallel devices; embedding/head
+        # gradients summed over stages.
+        terms = all_reduce(terms, (PIPELINE, *token_axes))
         g_rest = _reduce_grads(all_reduce(g_rest, PIPELINE), rest_axes, sum_axes=token_axes)
         g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes, lead=2, sum_axes=token_axes))
         return terms, unscale(g_blocks, scale), unscale(g_rest, scale)
 
     block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), block_axes)
     rest_specs = jax.tree.map(lambda ba: ba.spec(), rest_axes)
-    batch_spec = PartitionSpec(BATCH_AXES, *seq_axes)
+    batch_spec = PartitionSpec(ROW_AXES, *seq_axes)
     return jax.shard_map(
         step, mesh=mesh, in_specs=(block_specs, rest_specs, batch_spec, PartitionSpec(*seq_axes), PartitionSpec()),
         out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(manual),
@@ -503,13 +527,18 @@ class PipelineGradFn:
             specs = param_specs(eqx.filter(model, eqx.is_array), self.rules, mesh=mesh)
         block_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
         rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
+        moe = getattr(getattr(model, "config", None), "moe", None)
+        moe_layers = 0 if moe is None else model.config.num_layers // moe.every
         step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
-                          width=width, policy=self.policy, context_axis=context_axis)
+                          width=width, policy=self.policy, context_axis=context_axis, moe=moe, moe_layers=moe_layers)
         staged = jax.tree.map(lambda a: to_stages(a, p, v), blocks)
-        terms, g_blocks, g_rest = step(staged, rest, fields, positions, scale_value(loss_scale))
+        (terms, stats), g_blocks, g_rest = step(staged, rest, fields, positions, scale_value(loss_scale))
         grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
         leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
-        return (terms[0], {"nll": terms[1], "z_loss": terms[2]}), jax.tree.unflatten(layout, leaves)
+        aux = {"nll": terms[1], "z_loss": terms[2]}
+        if moe is not None:
+            aux |= moe_loss(stats, moe, rows=b, tokens=b * t)[1]
+        return (terms[0], aux), jax.tree.unflatten(layout, leaves)
 
 
 _LOGGED: set[str] = set()
