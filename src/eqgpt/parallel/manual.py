@@ -24,6 +24,8 @@ manual=True)` builds it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -33,7 +35,9 @@ from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
+from eqgpt.parallel.part import GradFn, LossFn, Part
 from eqgpt.parallel.placement import ShardedPlacement
+from eqgpt.parallel.rules import Rules
 from eqgpt.parallel.sequence import check_sequence_length
 from eqgpt.parallel.shard_map import filter_shard_map, is_spec
 from eqgpt.parallel.tensor import (
@@ -45,9 +49,6 @@ from eqgpt.parallel.tensor import (
 from eqgpt.precision import Policy, scale_value, unscale
 
 TENSOR = "tensor"
-
-LossFn = Callable[[PyTree, Batch], tuple[Array, dict[str, Array]]]
-GradFn = Callable[[PyTree, Batch], tuple[tuple[Array, dict[str, Array]], PyTree]]
 
 
 def reduce_gradients(
@@ -270,4 +271,57 @@ def manual_placement(mesh: Mesh, model_like: PyTree) -> ShardedPlacement:
     return ShardedPlacement(mesh, "dp+tp")
 
 
-__all__ = ["manual_grad_fn", "manual_loss_fn", "manual_placement", "reduce_gradients"]
+@dataclass(frozen=True)
+class ManualPart(Part):
+    """`Strategy(manual=True)`: data x tensor (x sequence) parallelism in one `shard_map`.
+
+    It lays the model out itself (`manual_placement`), so the rules' divisibility
+    is not checked; batches are split by rows over `data` only.
+    """
+
+    name = "manual"
+    automatic = False
+    needs_shapes = True  # `manual_placement` checks the model's sizes against `tensor`
+
+    @classmethod
+    def of(cls, strategy: Any) -> ManualPart | None:
+        return cls() if strategy.manual else None
+
+    def axes(self, strategy: Any) -> set[str]:
+        return {"data", TENSOR}
+
+    def validate(self, strategy: Any) -> None:
+        if strategy.pipeline or strategy.context:
+            raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual "
+                             "to combine pipeline or context parallelism (they run on the automatic path).")
+        if "fsdp" in strategy.rules.uses("params", strategy.mesh):
+            raise ValueError("the manual path has no FSDP; use --strategy dp+tp (or dp+sp) with --manual.")
+
+    def placement(self, strategy: Any, model_like: PyTree) -> ShardedPlacement:
+        return manual_placement(strategy.mesh, model_like)
+
+    def batch_rules(self, strategy: Any) -> Rules:
+        return Rules(activations={"batch": "data"}, name="manual-batch")
+
+    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+        tensor = strategy.mesh.shape[TENSOR]
+        check_tensor_parallel(model_like, tensor)
+        if strategy.sequence_parallel and seq_len % tensor:
+            raise ValueError(f"sequence parallelism splits the sequence over tensor={tensor}"
+                             f" devices; use a seq_len divisible by it (got {seq_len}).")
+
+    def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
+                model_like: PyTree) -> LossFn:
+        return manual_loss_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
+                              chunk_size=chunk_size, z_loss=z_loss)
+
+    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+                model_like: PyTree) -> GradFn:
+        return manual_grad_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
+                              chunk_size=chunk_size, z_loss=z_loss, policy=policy)
+
+    def describe(self, strategy: Any) -> str:
+        return "manual"
+
+
+__all__ = ["ManualPart", "manual_grad_fn", "manual_loss_fn", "manual_placement", "reduce_gradients"]

@@ -15,9 +15,14 @@ Between steps the device then holds neither; inside the step, as without offload
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import equinox as eqx
 import jax
 from jaxtyping import PyTree
+
+from eqgpt.parallel.part import Part
 
 HOST = "pinned_host"
 
@@ -55,4 +60,48 @@ def to_host(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host) if eqx.is_array(x) else x, tree)
 
 
-__all__ = ["HOST", "check_host_memory", "place_on_host", "place_on_device", "to_device", "to_host"]
+@dataclass(frozen=True)
+class OffloadPart(Part):
+    """`Strategy(offload_opt_state=..., offload_params=...)`: what lives in host memory between steps."""
+
+    opt_state: bool = False
+    params: bool = False
+
+    name = "offload"
+    needs_mesh = False
+
+    @classmethod
+    def of(cls, strategy: Any) -> OffloadPart | None:
+        wanted = strategy.offload_opt_state or strategy.offload_params
+        return cls(strategy.offload_opt_state, strategy.offload_params) if wanted else None
+
+    def validate(self, strategy: Any) -> None:
+        check_host_memory()
+
+    def prepare(self, strategy: Any, model: PyTree) -> PyTree:
+        return place_on_host(model) if self.params else model
+
+    def prepare_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
+        return place_on_host(opt_state) if self.opt_state else opt_state
+
+    def on_device(self, strategy: Any, model: PyTree) -> PyTree:
+        return place_on_device(model) if self.params else model
+
+    def fetch_params(self, strategy: Any, model: PyTree) -> PyTree:
+        return to_device(model) if self.params else model
+
+    def stash_params(self, strategy: Any, model: PyTree) -> PyTree:
+        return to_host(model) if self.params else model
+
+    def fetch_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
+        return to_device(opt_state) if self.opt_state else opt_state
+
+    def stash_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
+        return to_host(opt_state) if self.opt_state else opt_state
+
+    def describe(self, strategy: Any) -> str:
+        on_host = [what for what, flag in (("parameters", self.params), ("optimizer state", self.opt_state)) if flag]
+        return f"{' and '.join(on_host)} on host"
+
+
+__all__ = ["HOST", "OffloadPart", "check_host_memory", "place_on_host", "place_on_device", "to_device", "to_host"]

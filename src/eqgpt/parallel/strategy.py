@@ -1,14 +1,19 @@
 """`Strategy`: one object that describes a parallelism completely.
 
 A strategy is data: a mesh, a rule set (`"dp"`, `"fsdp+tp"`, ...), and optionally
-a pipeline schedule, a context-attention kernel, or the manual (`shard_map`) path.
-It gives the trainer everything it needs and nothing else:
+a pipeline schedule, a context-attention kernel, the manual (`shard_map`) path,
+ZeRO, host offload. It gives the trainer everything it needs and nothing else:
 
 - a `Placement` (the strategy *is* one): where the model, the optimizer state and
   each batch live;
 - `grad_fn(policy)`: `(model, batch) -> ((loss, aux), grads)`, the one place
   where the parallel forms of the loss are chosen;
 - `loss_fn()`: the same loss without gradients, for validation.
+
+Each optional ingredient is a `Part` (`eqgpt.parallel.part`) that answers for
+itself in its own module; `Strategy` builds them from its fields (`PARTS`, in
+that order) and folds over `strategy.parts` in every method, never asking which
+ones it has. The rules alone are the automatic path.
 
 A single device is the same protocol: `Strategy()`. The parameter tree never
 changes: context attention swaps the attention *kernel* (`Attention.with_kernel`),
@@ -24,48 +29,37 @@ repeating the same work is a bug, not a configuration.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
 from jax.sharding import Mesh
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_loss
-from eqgpt.nn.protocol import num_layers
+from eqgpt.parallel.auto import check_divisibility
+from eqgpt.parallel.context.kernel import ContextConfig
+from eqgpt.parallel.context.model import strip_context_attention
+from eqgpt.parallel.context.part import ContextPart
+from eqgpt.parallel.manual import ManualPart
 from eqgpt.parallel.mesh import make_mesh
-from eqgpt.parallel.offload import (
-    check_host_memory,
-    place_on_device,
-    place_on_host,
-    to_device,
-    to_host,
-)
+from eqgpt.parallel.offload import OffloadPart
+from eqgpt.parallel.part import GradFn, LossFn, Part, Update
+from eqgpt.parallel.pipeline.part import PipelineConfig, PipelinePart, pipeline_schedule
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
 from eqgpt.parallel.rules import Rules, preset_rules
+from eqgpt.parallel.zero import ZeroPart
 from eqgpt.precision import Policy
 
-LossFn = Callable[[PyTree, Batch], tuple[Array, dict[str, Array]]]
-GradFn = Callable[[PyTree, Batch], tuple[tuple[Array, dict[str, Array]], PyTree]]
+# The parts a strategy's fields can ask for, in the order every method folds over them
+# (and `describe` lists them). A new kind of parallelism is one module and one entry here.
+PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ZeroPart, ManualPart, OffloadPart)
 
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """A pipeline over the mesh's `pipeline` axis.
-
-    **Fields:** `schedule` ("gpipe", "1f1b" or "interleaved"), `microbatches`
-    per step, `virtual_stages` (chunks per device, "interleaved" only).
-    """
-
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 2
-
-    def __post_init__(self):
-        if self.microbatches < 1 or self.virtual_stages < 1:
-            raise ValueError(f"microbatches and virtual_stages must be >= 1, got {self}.")
+# How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
+RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
+              "tensor": "add 'tp' or 'sp' to --strategy"}
 
 
 def lm_batch_loss(model: PyTree, batch: Batch, *, chunk_size: int = 128, z_loss: float = 0.0):
@@ -76,6 +70,11 @@ def lm_batch_loss(model: PyTree, batch: Batch, *, chunk_size: int = 128, z_loss:
     return lm_loss(model, batch.tokens, batch.targets, loss_mask=batch.loss_mask,
                    segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss,
                    doc_positions=batch.positions)
+
+
+def _first(choices: Iterable[Any], default: Any = None) -> Any:
+    """The first choice that is not `None` (parts are asked lazily, in order), else `default`."""
+    return next((c for c in choices if c is not None), default)
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,11 @@ class Strategy:
       steps (`eqgpt.parallel.offload`).
     - `offload_params`: keep the model's arrays there too (with FSDP each device's
       shard): the step copies them in before the forward pass and the updated ones out.
+    - `extra_parts`: `eqgpt.parallel.part.Part`s of your own, folded after those
+      the fields above ask for.
 
-    Build from flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)`.
+    `parts` holds every part, in the order the methods fold over them. Build from
+    flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)`.
     """
 
     mesh: Mesh | None = None
@@ -112,43 +114,36 @@ class Strategy:
     zero: Literal[0, 1, 2] = 0
     offload_opt_state: bool = False
     offload_params: bool = False
+    extra_parts: tuple[Part, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "rules", preset_rules(self.rules))
-        if self.offload_opt_state or self.offload_params:
-            check_host_memory()
-        if self.zero not in (0, 1, 2):
-            raise ValueError(f"zero must be 0, 1 or 2 (ZeRO stage), got {self.zero!r}.")
-        if self.mesh is None:
-            parts = [n for n, v in (("pipeline", self.pipeline), ("context", self.context),
-                                    ("manual", self.manual), (f"zero={self.zero}", self.zero)) if v]
-            if parts:
-                raise ValueError(f"{', '.join(parts)} needs a mesh, e.g. --mesh pipeline=2,data=2; "
-                                 "one device runs none of them.")
-            return
-        if self.manual and (self.pipeline or self.context):
-            raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual "
-                             "to combine pipeline or context parallelism (they run on the automatic path).")
-        if self.manual and "fsdp" in self.rules.uses("params", self.mesh):
-            raise ValueError("the manual path has no FSDP; use --strategy dp+tp (or dp+sp) with --manual.")
-        if self.zero:
-            from eqgpt.parallel.zero import check_zero
+        parts = (*(p for kind in PARTS if (p := kind.of(self)) is not None), *self.extra_parts)
+        object.__setattr__(self, "_parts", parts)
+        needy = [p.name for p in parts if p.needs_mesh]
+        if self.mesh is None and needy:
+            raise ValueError(f"{', '.join(needy)} needs a mesh, e.g. --mesh pipeline=2,data=2; "
+                             "one device runs none of them.")
+        for part in parts:
+            part.validate(self)
+        rules = self.rules
+        for part in parts:
+            rules = part.rules(self, rules)
+        object.__setattr__(self, "rules", rules)
+        if self.mesh is not None:
+            self._check_axes_used()
 
-            check_zero(self)
-        if self.context is not None and "context" not in self.rules.axes("seq", "activations"):
-            from eqgpt.parallel.context import context_rules
-
-            object.__setattr__(self, "rules", context_rules(self.rules))
+    def _check_axes_used(self) -> None:
         unused = [a for a in self.mesh.axis_names if self.mesh.shape[a] > 1 and a not in self.axes_used]
-        if unused:
-            hints = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
-                     "tensor": "add 'tp' or 'sp' to --strategy", "pipeline": "add --pipeline 1f1b",
-                     "context": "add --context ring"}
-            raise ValueError(
-                f"mesh axes {unused} (sizes {[self.mesh.shape[a] for a in unused]}) are used by no part of "
-                f"strategy {self.describe()!r}: their devices would repeat the same work. "
-                + "; ".join(f"{a}: {hints[a]}" for a in unused) + ", or drop the axis from --mesh."
-            )
+        if not unused:
+            return
+        kinds = (*PARTS, *(type(p) for p in self.extra_parts))
+        hints = {**RULE_HINTS, **{a: h for kind in kinds for a, h in kind.hints.items()}}
+        raise ValueError(
+            f"mesh axes {unused} (sizes {[self.mesh.shape[a] for a in unused]}) are used by no part of "
+            f"strategy {self.describe()!r}: their devices would repeat the same work. "
+            + "; ".join(f"{a}: {hints.get(a, 'use it')}" for a in unused) + ", or drop the axis from --mesh."
+        )
 
     # ------------------------------------------------------------------ construction
 
@@ -175,15 +170,16 @@ class Strategy:
         `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`.
         """
         pipe = PipelineConfig(pipeline, microbatches, virtual_stages) if pipeline else None
-        ctx = None
-        if context:
-            from eqgpt.parallel.context import ContextConfig
-
-            ctx = ContextConfig(impl=context)
+        ctx = ContextConfig(impl=context) if context else None
         return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
                    offload_opt_state=offload_opt_state, offload_params=offload_params)
 
     # ------------------------------------------------------------------ what it uses
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The strategy's parts (`eqgpt.parallel.part.Part`), in the order its methods fold over them."""
+        return self._parts
 
     @property
     def axes_used(self) -> tuple[str, ...]:
@@ -192,12 +188,7 @@ class Strategy:
             return ()
         used = {a for r in (self.rules, *(self.overrides or {}).values())
                 for kind in ("params", "activations") for a in r.uses(kind, self.mesh)}
-        if self.pipeline is not None:
-            used |= {"pipeline", "data", "fsdp"}  # the pipeline splits microbatch rows over data and fsdp
-        if self.manual:
-            used |= {"data", "tensor"}
-        if self.zero:
-            used |= {"data"}  # the optimizer state is split over data
+        used = used.union(*(p.axes(self) for p in self.parts))
         return tuple(a for a in self.mesh.axis_names if a in used and self.mesh.shape[a] > 1)
 
     @property
@@ -207,21 +198,8 @@ class Strategy:
 
     def describe(self) -> str:
         """A one-line label: `fsdp+tp | pipeline 1f1b m=8 | context ring | manual`."""
-        on_host = [what for what, flag in (("parameters", self.offload_params),
-                                           ("optimizer state", self.offload_opt_state)) if flag]
-        offload = f" | {' and '.join(on_host)} on host" if on_host else ""
-        if self.mesh is None:
-            return "single device" + offload
-        parts = [self.rules.name]
-        if self.pipeline:
-            parts.append(f"pipeline {self.pipeline.schedule} m={self.pipeline.microbatches}")
-        if self.context:
-            parts.append(f"context {self.context.impl}")
-        if self.zero:
-            parts.append(f"zero{self.zero}")
-        if self.manual:
-            parts.append("manual")
-        return " | ".join(parts) + offload
+        pieces = [d for p in self.parts if (d := p.describe(self)) is not None]
+        return " | ".join(["single device" if self.mesh is None else self.rules.name, *pieces])
 
     def __repr__(self) -> str:
         mesh = "one device" if self.mesh is None else ",".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1)
@@ -233,59 +211,51 @@ class Strategy:
         """The placement of `model_like` (a model or its `eqx.filter_eval_shape`)."""
         if self.mesh is None:
             return SingleDevice()
-        if self.zero:
-            from eqgpt.parallel.zero import ZeroPlacement
-
-            return ZeroPlacement(self.mesh, self.param_rules, self.overrides)
-        if self.manual:
-            from eqgpt.parallel.manual import manual_placement
-
-            return manual_placement(self.mesh, model_like)
-        return ShardedPlacement(self.mesh, self.param_rules, self.overrides)
+        placement = _first(p.placement(self, model_like) for p in self.parts)
+        return ShardedPlacement(self.mesh, self.param_rules, self.overrides) if placement is None else placement
 
     @property
     def param_rules(self) -> Rules:
         """The rules parameters are placed by: `rules`, and under a pipeline `layers` over `pipeline`."""
-        if self.pipeline is None:
-            return self.rules
-        from eqgpt.parallel.pipeline import PP
+        rules = self.rules
+        for part in self.parts:
+            rules = part.param_rules(self, rules)
+        return rules
 
-        return self.rules.merge(PP).update(name=self.rules.name)
+    def _batch_rules(self) -> Rules:
+        return _first((p.batch_rules(self) for p in self.parts), self.rules)
 
     @property
     def batch_divisor(self) -> int:
         """Pieces the batch's rows are split into by the placement (not counting microbatches)."""
         if self.mesh is None:
             return 1
-        axes = set(self.rules.axes("batch", "activations"))
-        if self.pipeline is not None or self.manual:
-            axes |= {"data", "fsdp"} if self.pipeline is not None else {"data"}
+        axes = {*self.rules.axes("batch", "activations"), *self._batch_rules().axes("batch", "activations")}
         return math.prod(self.mesh.shape[a] for a in axes)
+
+    @property
+    def _microbatches(self) -> int:
+        return math.prod(p.microbatches for p in self.parts if p.microbatches is not None)
 
     @property
     def rows_divisor(self) -> int:
         """What the global batch size must be a multiple of (devices x pipeline microbatches)."""
-        return self.batch_divisor * (self.pipeline.microbatches if self.pipeline else 1)
+        return self.batch_divisor * self._microbatches
 
     def prepare(self, model: PyTree) -> PyTree:
         """Install what the strategy needs into the model (context kernels; with
         `offload_params` its arrays move to host memory)."""
-        model = place_on_host(model) if self.offload_params else model
-        if self.context is None or self.mesh is None:
-            return model
-        from eqgpt.parallel.context import use_context_attention
-
-        return use_context_attention(model, self.mesh, self.context)
+        for part in self.parts:
+            model = part.prepare(self, model)
+        return model
 
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
         """`make(key)`, created directly in its sharding, with the strategy's kernels installed."""
-        abstract = jax.eval_shape(make, key) if self.manual else None
+        abstract = jax.eval_shape(make, key) if any(p.needs_shapes for p in self.parts) else None
         return self.prepare(self.placement_for(abstract).init_model(make, key))
 
     def place_model(self, model: PyTree) -> PyTree:
         """An existing model (any placement, any strategy's kernels) moved into this strategy's layout."""
-        from eqgpt.parallel.context import strip_context_attention
-
         model = strip_context_attention(model)
         return self.prepare(self.placement_for(model).place_model(model))
 
@@ -293,46 +263,53 @@ class Strategy:
         """The optimizer state, each moment created next to its parameter (in host memory
         with `offload_opt_state`)."""
         model = self.on_device(model)  # created from device copies, whatever `offload_params`
-        return self._offloaded(self.placement_for(model).init_opt_state(optimizer, model))
+        return self._prepare_opt_state(self.placement_for(model).init_opt_state(optimizer, model))
 
     def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """An existing optimizer state moved next to its parameters."""
         model = self.on_device(model)
-        return self._offloaded(self.placement_for(model).place_opt_state(opt_state, model))
+        return self._prepare_opt_state(self.placement_for(model).place_opt_state(opt_state, model))
 
-    def _offloaded(self, opt_state: PyTree) -> PyTree:
-        return place_on_host(opt_state) if self.offload_opt_state else opt_state
+    def _prepare_opt_state(self, opt_state: PyTree) -> PyTree:
+        for part in self.parts:
+            opt_state = part.prepare_opt_state(self, opt_state)
+        return opt_state
 
     def fetch_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the optimizer state where the update reads it (device memory)."""
-        return to_device(opt_state) if self.offload_opt_state else opt_state
+        for part in self.parts:
+            opt_state = part.fetch_opt_state(self, opt_state)
+        return opt_state
 
     def stash_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the updated optimizer state where it lives between steps."""
-        return to_host(opt_state) if self.offload_opt_state else opt_state
+        for part in self.parts:
+            opt_state = part.stash_opt_state(self, opt_state)
+        return opt_state
 
     def fetch_params(self, model: PyTree) -> PyTree:
         """Inside a compiled function: the model with its arrays in device memory."""
-        return to_device(model) if self.offload_params else model
+        for part in self.parts:
+            model = part.fetch_params(self, model)
+        return model
 
     def stash_params(self, model: PyTree) -> PyTree:
         """Inside the step: the updated model where it lives between steps."""
-        return to_host(model) if self.offload_params else model
+        for part in self.parts:
+            model = part.stash_params(self, model)
+        return model
 
     def on_device(self, model: PyTree) -> PyTree:
         """Outside `jit`: the model with its arrays in device memory (to sample from or export)."""
-        return place_on_device(model) if self.offload_params else model
+        for part in self.parts:
+            model = part.on_device(self, model)
+        return model
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (a `Batch`): rows split as the strategy's loss expects."""
         if self.mesh is None:
             return SingleDevice().batch(local)
-        rules = self.rules
-        if self.pipeline is not None:
-            rules = Rules(activations={"batch": ("data", "fsdp")}, name="pipeline-batch")
-        elif self.manual:
-            rules = Rules(activations={"batch": "data"}, name="manual-batch")
-        return ShardedPlacement(self.mesh, rules).batch(local)
+        return ShardedPlacement(self.mesh, self._batch_rules()).batch(local)
 
     # ------------------------------------------------------------------ checks
 
@@ -345,43 +322,26 @@ class Strategy:
         if accum_steps < 1 or batch_size % accum_steps:
             raise ValueError(f"batch_size ({batch_size}) must be divisible by accum_steps ({accum_steps}).")
         rows = batch_size // accum_steps
-        if self.mesh is None:
-            return
+        if self.mesh is not None:
+            self._check_rows(model_like, rows, seq_len, accum_steps)
+        for part in self.parts:
+            part.check(self, model_like, rows=rows, seq_len=seq_len)
+
+    def _check_rows(self, model_like: PyTree, rows: int, seq_len: int, accum_steps: int) -> None:
         if rows % self.rows_divisor:
-            micro = f" x {self.pipeline.microbatches} microbatches" if self.pipeline else ""
+            micro = "".join(f" x {p.microbatches} microbatches" for p in self.parts if p.microbatches is not None)
             raise ValueError(
                 f"batch of {rows} rows per step{' (after accumulation)' if accum_steps > 1 else ''} is not "
                 f"divisible by {self.batch_divisor} data-parallel devices{micro} = {self.rows_divisor}; "
                 f"use a --batch-size that is a multiple of {self.rows_divisor * accum_steps}."
             )
         config = getattr(model_like, "config", None)
-        if config is not None and not self.manual:
-            from eqgpt.parallel.auto import check_divisibility
-
-            check_divisibility(config, self.mesh, self.rules, rows // (self.pipeline.microbatches if self.pipeline
-                                                                       else 1), seq_len, self.overrides)
-        if self.context is not None:
-            from eqgpt.parallel.context import check_layout
-
-            check_layout(seq_len, self.mesh.shape["context"], self.context.ordering)
-        if self.pipeline is not None:
-            from eqgpt.parallel.pipeline import check_pipeline
-
-            check_pipeline(num_layers(model_like), self.mesh, self.pipeline_schedule(), context=self.context)
-        if self.manual:
-            from eqgpt.parallel.tensor import check_tensor_parallel
-
-            check_tensor_parallel(model_like, self.mesh.shape["tensor"])
-            if self.sequence_parallel and seq_len % self.mesh.shape["tensor"]:
-                raise ValueError(f"sequence parallelism splits the sequence over tensor={self.mesh.shape['tensor']}"
-                                 f" devices; use a seq_len divisible by it (got {seq_len}).")
+        if config is not None and all(p.automatic for p in self.parts):  # the rules lay out every part's work
+            check_divisibility(config, self.mesh, self.rules, rows // self._microbatches, seq_len, self.overrides)
 
     def pipeline_schedule(self):
         """The pipeline `Schedule` on this mesh (a table of what each stage does at each tick)."""
-        from eqgpt.parallel.pipeline import make_pipeline_schedule
-
-        p = self.pipeline
-        return make_pipeline_schedule(p.schedule, self.mesh.shape["pipeline"], p.microbatches, p.virtual_stages)
+        return pipeline_schedule(self.mesh, self.pipeline)
 
     # ------------------------------------------------------------------ the loss
 
@@ -389,26 +349,27 @@ class Strategy:
         """`loss_fn(model, batch) -> (loss, aux)` in this strategy's layout (validation; no gradients).
 
         `model_like` (the model or its `eqx.filter_eval_shape`) is needed by the manual path only.
-        With `offload_params` it reads the model from host memory.
+        It reads the model where it lives between steps (`fetch_params`: host memory
+        with `offload_params`).
         """
-        loss = self._loss_fn(chunk_size, z_loss, model_like)
-        if not self.offload_params:
-            return loss
-        return lambda model, batch: loss(self.fetch_params(model), batch)
+        loss = self._loss(chunk_size, z_loss, model_like)
 
-    def _loss_fn(self, chunk_size: int, z_loss: float, model_like: PyTree) -> LossFn:
-        if self.manual:
-            from eqgpt.parallel.manual import manual_loss_fn
+        def stored_loss(model: PyTree, batch: Batch):
+            return loss(self.fetch_params(model), batch)
 
-            return manual_loss_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
-                                  chunk_size=chunk_size, z_loss=z_loss)
-        if self.context is not None:
-            from eqgpt.parallel.context import context_loss_fn
+        return stored_loss
 
-            return context_loss_fn(self.mesh, ordering=self.context.ordering, chunk_size=chunk_size, z_loss=z_loss)
-        # One device, the automatic path, and validation of a pipelined model (the
-        # partitioner runs the layers where the pipeline placed them).
-        return lambda model, batch: lm_batch_loss(model, batch, chunk_size=chunk_size, z_loss=z_loss)
+    def _loss(self, chunk_size: int, z_loss: float, model_like: PyTree) -> LossFn:
+        """The loss of a model in device memory: the automatic path's, as each part changes it.
+        (Validation of a pipelined model needs no pipeline: the partitioner runs the layers
+        where the pipeline placed them.)"""
+
+        def loss(model: PyTree, batch: Batch):
+            return lm_batch_loss(model, batch, chunk_size=chunk_size, z_loss=z_loss)
+
+        for part in self.parts:
+            loss = part.loss_fn(self, loss, chunk_size=chunk_size, z_loss=z_loss, model_like=model_like)
+        return loss
 
     def grad_fn(
         self, policy: Policy | None = None, *, chunk_size: int = 128, z_loss: float = 0.0, model_like: PyTree = None
@@ -417,34 +378,20 @@ class Strategy:
 
         Loss and aux are fp32, gradients in the parameter dtype with the model's
         structure, already reduced over every axis the strategy splits the batch over.
+        The first part with a gradient function of its own decides; else the policy's
+        gradient of the loss.
         """
         policy = Policy() if policy is None else policy
-        if self.pipeline is not None:
-            from eqgpt.parallel.pipeline import pipeline_grad_fn
+        grad = _first(p.grad_fn(self, policy, chunk_size=chunk_size, z_loss=z_loss, model_like=model_like)
+                      for p in self.parts)
+        return policy.value_and_grad(self._loss(chunk_size, z_loss, model_like)) if grad is None else grad
 
-            return pipeline_grad_fn(self.mesh, self.pipeline_schedule(), rules=self.param_rules,
-                                    chunk_size=chunk_size, z_loss=z_loss, policy=policy, context=self.context)
-        if self.manual and self.zero:
-            from eqgpt.parallel.zero import manual_zero_grad_fn
-
-            return manual_zero_grad_fn(self.mesh, stage=self.zero, policy=policy, chunk_size=chunk_size,
-                                       z_loss=z_loss)
-        if self.manual:
-            from eqgpt.parallel.manual import manual_grad_fn
-
-            return manual_grad_fn(model_like, self.mesh, sequence_parallel=self.sequence_parallel,
-                                  chunk_size=chunk_size, z_loss=z_loss, policy=policy)
-        return policy.value_and_grad(self._loss_fn(chunk_size, z_loss, model_like))
-
-    def sharded_update(self, update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]):
+    def sharded_update(self, update: Update) -> Update:
         """The optimizer update `update(grads, opt_state, params) -> (params, opt_state)` as this
         strategy runs it: unchanged, or under ZeRO on each device's block (`eqgpt.parallel.zero`)."""
-        if not self.zero:
-            return update
-        from eqgpt.parallel.zero import zero_update
-
-        return zero_update(update, self.mesh, stage=self.zero, rules=self.param_rules, overrides=self.overrides,
-                           manual=self.manual)
+        for part in self.parts:
+            update = part.update(self, update)
+        return update
 
 
-__all__ = ["Strategy", "PipelineConfig", "GradFn", "LossFn", "lm_batch_loss"]
+__all__ = ["Strategy", "PipelineConfig", "PARTS", "Part", "GradFn", "LossFn", "lm_batch_loss"]

@@ -43,6 +43,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
@@ -61,12 +62,12 @@ from eqgpt.parallel.collectives import (
     reduce_scatter,
     to_varying,
 )
+from eqgpt.parallel.part import GradFn, Part, Update
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules
 from eqgpt.parallel.shard_map import filter_shard_map, is_spec
-from eqgpt.precision import scale_value
+from eqgpt.precision import Policy, scale_value
 
-Update = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
 ZERO_AXIS = "data"
 
 
@@ -340,5 +341,55 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
     return grad_fn
 
 
-__all__ = ["ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
+# ------------------------------------------------------------------ the strategy part
+
+
+@dataclass(frozen=True)
+class ZeroPart(Part):
+    """`Strategy(zero=1|2)`: the optimizer state split over `data`, parameters replicated.
+
+    With `manual`, the gradients come from `manual_zero_grad_fn` and the update runs
+    under `shard_map`; otherwise the partitioner inserts the collectives.
+    """
+
+    stage: int
+    manual: bool = False
+
+    def __post_init__(self):
+        if self.stage not in (1, 2):
+            raise ValueError(f"zero must be 0, 1 or 2 (ZeRO stage), got {self.stage!r}.")
+
+    @classmethod
+    def of(cls, strategy: Any) -> ZeroPart | None:
+        return None if strategy.zero == 0 else cls(strategy.zero, manual=strategy.manual)
+
+    @property
+    def name(self) -> str:
+        return f"zero={self.stage}"
+
+    def axes(self, strategy: Any) -> set[str]:
+        return {ZERO_AXIS}
+
+    def validate(self, strategy: Any) -> None:
+        check_zero(strategy)
+
+    def placement(self, strategy: Any, model_like: PyTree) -> ZeroPlacement:
+        return ZeroPlacement(strategy.mesh, strategy.param_rules, strategy.overrides)
+
+    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+                model_like: PyTree) -> GradFn | None:
+        if not self.manual:
+            return None  # the strategy's own gradient; `zero_update` pins its layout
+        return manual_zero_grad_fn(strategy.mesh, stage=self.stage, policy=policy, chunk_size=chunk_size,
+                                   z_loss=z_loss)
+
+    def update(self, strategy: Any, update: Update) -> Update:
+        return zero_update(update, strategy.mesh, stage=self.stage, rules=strategy.param_rules,
+                           overrides=strategy.overrides, manual=self.manual)
+
+    def describe(self, strategy: Any) -> str:
+        return f"zero{self.stage}"
+
+
+__all__ = ["ZeroPart", "ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
            "global_norm", "sharded_update_norm", "like_params"]

@@ -1,0 +1,155 @@
+"""`Part`: one kind of parallelism, as a `Strategy` ingredient that answers for itself.
+
+A `Strategy` is a mesh, a rule set and a tuple of parts (`Strategy.parts`): the
+pipeline, context parallelism, ZeRO, the manual path, host offload. Every method
+of `Strategy` folds over its parts in order and asks each the same questions;
+none asks which parts it has. A part's decisions (its axes, its checks, its
+placement, its loss) live in its own module, next to the parallelism itself:
+`pipeline/part.py`, `context/part.py`, `zero.py`, `manual.py`, `offload.py`.
+
+Each method below is a no-op by default, so a part overrides only what it changes.
+Two kinds of hook:
+
+- **transforms** (`rules`, `param_rules`, `prepare`, `prepare_opt_state`,
+  `on_device`, `fetch_*`, `stash_*`, `loss_fn`, `update`): each part receives
+  what the parts before it made and returns it, changed or not;
+- **choices** (`placement`, `batch_rules`, `grad_fn`): the first part that
+  returns something other than `None` decides; without one, the automatic path's.
+
+Every method takes the `Strategy` first (its mesh, rules and the other parts'
+fields): parts are built before the strategy's rules are final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxtyping import Array, PyTree
+
+from eqgpt.data.batch import Batch
+from eqgpt.parallel.placement import Placement
+from eqgpt.parallel.rules import Rules
+from eqgpt.precision import Policy
+
+LossFn = Callable[[PyTree, Batch], tuple[Array, dict[str, Array]]]
+GradFn = Callable[[PyTree, Batch], tuple[tuple[Array, dict[str, Array]], PyTree]]
+Update = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+class Part:
+    """One ingredient of a `Strategy`; subclass and override what the ingredient changes.
+
+    **Class attributes:**
+
+    - `name`: how errors name the part (`"pipeline needs a mesh"`).
+    - `needs_mesh`: whether one device cannot run it (`Strategy` raises `ValueError`).
+    - `hints`: mesh axis -> how to use it, shown when that axis is left unused. Read
+      from the part's *class*, so a strategy without the part still gives the hint.
+    - `microbatches`: what the rows of a step are split into in turn (a pipeline's
+      microbatches); `None` for no split.
+    - `automatic`: whether the partitioner lays out the part's work by the rules
+      (so `check` tests the rules' divisibility); the manual path does it itself.
+    - `needs_shapes`: whether `placement` reads the model's shapes, so that
+      `Strategy.init_model` computes them first (`jax.eval_shape` of `make`).
+    """
+
+    name: str = "part"
+    needs_mesh: bool = True
+    hints: Mapping[str, str] = {}
+    microbatches: int | None = None
+    automatic: bool = True
+    needs_shapes: bool = False
+
+    @classmethod
+    def of(cls, strategy: Any) -> Part | None:
+        """The part a strategy's fields ask for, or `None` (the fields leave it out)."""
+        return None
+
+    # ------------------------------------------------------------------ construction
+
+    def axes(self, strategy: Any) -> set[str]:
+        """Mesh axes the part splits work over beyond those of the rules."""
+        return set()
+
+    def validate(self, strategy: Any) -> None:
+        """Raise `ValueError` at construction for combinations the part cannot run."""
+
+    def rules(self, strategy: Any, rules: Rules) -> Rules:
+        """The strategy's rule set as this part needs it (applied once, at construction)."""
+        return rules
+
+    def param_rules(self, strategy: Any, rules: Rules) -> Rules:
+        """The rules parameters are placed by."""
+        return rules
+
+    def describe(self, strategy: Any) -> str | None:
+        """The part's piece of `Strategy.describe()`, or `None`."""
+        return None
+
+    # ------------------------------------------------------------------ placement
+
+    def placement(self, strategy: Any, model_like: PyTree) -> Placement | None:
+        """A placement of its own (choice), or `None`."""
+        return None
+
+    def batch_rules(self, strategy: Any) -> Rules | None:
+        """The rules batches are split by (choice), or `None`; their `batch` axes also
+        count in `Strategy.batch_divisor`."""
+        return None
+
+    def prepare(self, strategy: Any, model: PyTree) -> PyTree:
+        """The placed model with what the part installs (kernels; host memory)."""
+        return model
+
+    def prepare_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
+        """The placed optimizer state where it lives between steps."""
+        return opt_state
+
+    def on_device(self, strategy: Any, model: PyTree) -> PyTree:
+        """Outside `jit`: the model with its arrays in device memory."""
+        return model
+
+    def fetch_params(self, strategy: Any, model: PyTree) -> PyTree:
+        """Inside `jit`: the model where the step reads it."""
+        return model
+
+    def stash_params(self, strategy: Any, model: PyTree) -> PyTree:
+        """Inside `jit`: the updated model where it lives between steps."""
+        return model
+
+    def fetch_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
+        """Inside `jit`: the optimizer state where the update reads it."""
+        return opt_state
+
+    def stash_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
+        """Inside `jit`: the updated optimizer state where it lives between steps."""
+        return opt_state
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+        """Raise `ValueError`, before anything compiles, for sizes the part cannot split
+        (`rows` per step after accumulation)."""
+
+    # ------------------------------------------------------------------ the loss
+
+    def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
+                model_like: PyTree) -> LossFn:
+        """The loss as the part computes it: `loss` wrapped, replaced, or unchanged."""
+        return loss
+
+    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+                model_like: PyTree) -> GradFn | None:
+        """A gradient function of its own (choice), or `None`: the policy's gradient of the loss."""
+        return None
+
+    def update(self, strategy: Any, update: Update) -> Update:
+        """The optimizer update `(grads, opt_state, params) -> (params, opt_state)` as the part runs it."""
+        return update
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+__all__ = ["Part", "LossFn", "GradFn", "Update"]

@@ -1,0 +1,88 @@
+"""The pipeline as a `Strategy` part: `PipelineConfig` and `PipelinePart`.
+
+Layers are placed over `pipeline` (`PP` merged into the parameter rules), each
+step's rows are split over `data` and `fsdp` and into microbatches, and the
+gradient is the schedule's (`pipeline_grad_fn`). Validation needs no pipeline:
+the partitioner runs each layer where the pipeline placed it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jax.sharding import Mesh
+from jaxtyping import PyTree
+
+from eqgpt.nn.protocol import num_layers
+from eqgpt.parallel.part import GradFn, Part
+from eqgpt.parallel.pipeline.executor import PP, check_pipeline, pipeline_grad_fn
+from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
+from eqgpt.parallel.rules import Rules
+from eqgpt.precision import Policy
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A pipeline over the mesh's `pipeline` axis.
+
+    **Fields:** `schedule` ("gpipe", "1f1b" or "interleaved"), `microbatches`
+    per step, `virtual_stages` (chunks per device, "interleaved" only).
+    """
+
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 2
+
+    def __post_init__(self):
+        if self.microbatches < 1 or self.virtual_stages < 1:
+            raise ValueError(f"microbatches and virtual_stages must be >= 1, got {self}.")
+
+
+def pipeline_schedule(mesh: Mesh, config: PipelineConfig) -> Schedule:
+    """The `Schedule` of `config` on `mesh` (a table of what each stage does at each tick)."""
+    return make_pipeline_schedule(config.schedule, mesh.shape["pipeline"], config.microbatches,
+                                  config.virtual_stages)
+
+
+@dataclass(frozen=True)
+class PipelinePart(Part):
+    """`Strategy(pipeline=PipelineConfig(...))`: layers as stages over `pipeline`."""
+
+    config: PipelineConfig
+
+    name = "pipeline"
+    hints = {"pipeline": "add --pipeline 1f1b"}
+
+    @classmethod
+    def of(cls, strategy: Any) -> PipelinePart | None:
+        return None if strategy.pipeline is None else cls(strategy.pipeline)
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.microbatches
+
+    def axes(self, strategy: Any) -> set[str]:
+        return {"pipeline", "data", "fsdp"}  # microbatch rows are split over data and fsdp
+
+    def param_rules(self, strategy: Any, rules: Rules) -> Rules:
+        return rules.merge(PP).update(name=rules.name)
+
+    def batch_rules(self, strategy: Any) -> Rules:
+        return Rules(activations={"batch": ("data", "fsdp")}, name="pipeline-batch")
+
+    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+        check_pipeline(num_layers(model_like), strategy.mesh, pipeline_schedule(strategy.mesh, self.config),
+                       context=strategy.context)
+
+    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+                model_like: PyTree) -> GradFn:
+        return pipeline_grad_fn(strategy.mesh, pipeline_schedule(strategy.mesh, self.config),
+                                rules=strategy.param_rules, chunk_size=chunk_size, z_loss=z_loss, policy=policy,
+                                context=strategy.context)
+
+    def describe(self, strategy: Any) -> str:
+        return f"pipeline {self.config.schedule} m={self.config.microbatches}"
+
+
+__all__ = ["PipelineConfig", "PipelinePart", "pipeline_schedule"]
