@@ -138,7 +138,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     # --- parallelism: these fields become one eqgpt.parallel.Strategy (see `strategy_of`).
     mesh: str = ""
-    """Device mesh, e.g. 'pipeline=2,data=2,tensor=2' (axes data, fsdp, pipeline, context, tensor; -1 fills); '' = one device."""
+    """Device mesh, e.g. 'pipeline=2,data=2,tensor=2' (axes data, fsdp, pipeline, context, expert, tensor; -1 fills); '' = one device."""
     strategy: str = "dp"
     """Sharding rules on --mesh: presets dp, fsdp, tp, sp joined by '+' (e.g. 'fsdp+tp'); sp implies tp."""
     pipeline: Literal["gpipe", "1f1b", "interleaved"] | None = None
@@ -149,6 +149,8 @@ class TrainConfig:
     """Layer chunks per pipeline device (interleaved schedule)."""
     context: Literal["ring", "allgather"] | None = None
     """Split the sequence over the mesh's 'context' axis (zigzag order) with ring or all-gather attention."""
+    expert: Literal["alltoall", "gspmd"] | None = None
+    """MoE experts over the mesh's 'expert' axis: 'alltoall' (default: explicit dispatch and combine) or 'gspmd' (the partitioner moves the tokens); see docs/parallelism/expert.md."""
     manual: bool = False
     """Manual path: data, tensor and (with 'sp' in --strategy) sequence parallelism under shard_map with explicit collectives."""
     zero: Literal[0, 1, 2] = 0
@@ -213,7 +215,8 @@ def strategy_of(cfg: TrainConfig) -> Strategy:
     """The one object that says how this run is distributed (a single device without --mesh)."""
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
                           virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
-                          offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params)
+                          offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
+                          expert=cfg.expert)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:

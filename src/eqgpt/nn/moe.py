@@ -79,7 +79,7 @@ class Experts(eqx.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.up.shape[0]
+        return self.up.shape[-3]  # also in a layer stack, `[layers, experts, embed, hidden]`
 
     def _act(self, x, up, gate):
         return jax.nn.silu(gate(x)) * up(x) if self.gate is not None else gelu_tanh(up(x))

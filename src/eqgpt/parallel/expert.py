@@ -31,7 +31,7 @@ send only the routed tokens, but does not run on CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -40,6 +40,7 @@ from jaxtyping import Array, Float, PyTree
 
 from eqgpt.nn.moe import Experts, LocalExperts, MoE
 from eqgpt.parallel.collectives import all_to_all
+from eqgpt.parallel.part import Part
 from eqgpt.parallel.rules import Rules
 
 AXIS = "expert"
@@ -136,6 +137,46 @@ def check_expert(model_like: PyTree, mesh: Mesh) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ExpertPart(Part):
+    """Expert parallelism as a `Strategy` part: present whenever the mesh's `expert` axis is > 1
+    (`Strategy(expert=ExpertConfig(...))` chooses the implementation)."""
+
+    config: ExpertConfig
+
+    name = "expert"
+    hints = {AXIS: "train an MoE model (--model.preset moe-nano) to split its experts"}
+
+    @classmethod
+    def of(cls, strategy: Any) -> ExpertPart | None:
+        if strategy.mesh is None or strategy.mesh.shape.get(AXIS, 1) == 1:
+            return None
+        return cls(strategy.expert or ExpertConfig())
+
+    def axes(self, strategy: Any) -> set[str]:
+        return {AXIS}
+
+    def validate(self, strategy: Any) -> None:
+        if strategy.manual:
+            raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual for "
+                             "expert parallelism (it runs its all-to-alls under shard_map on the automatic path).")
+        if strategy.pipeline is not None and self.config.impl != "alltoall":
+            raise ValueError("inside the pipeline the experts are exchanged with explicit all-to-alls; "
+                             "use --expert alltoall with --pipeline.")
+
+    def rules(self, strategy: Any, rules: Rules) -> Rules:
+        return rules.merge(EP).update(name=f"{rules.name}+ep")
+
+    def prepare(self, strategy: Any, model: PyTree) -> PyTree:
+        return use_expert_parallel(model, strategy.mesh, self.config)
+
+    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+        check_expert(model_like, strategy.mesh)
+
+    def describe(self, strategy: Any) -> str:
+        return f"expert {self.config.impl}"
+
+
 def all_to_all_bytes(*, num_experts: int, rows: int, capacity: int, embed: int, n: int, itemsize: int = 4) -> float:
     """Bytes one device sends in one all-to-all of one MoE layer: `(n-1)/n` of its
     dispatched `[experts, rows, capacity, embed]` tensor (`rows` on this device).
@@ -143,5 +184,5 @@ def all_to_all_bytes(*, num_experts: int, rows: int, capacity: int, embed: int, 
     return (n - 1) / n * num_experts * rows * capacity * embed * itemsize
 
 
-__all__ = ["EP", "ExpertConfig", "ExpertParallel", "exchange", "use_expert_parallel", "use_dispatch",
+__all__ = ["EP", "ExpertConfig", "ExpertPart", "ExpertParallel", "exchange", "use_expert_parallel", "use_dispatch",
            "moe_layers", "check_expert", "all_to_all_bytes"]

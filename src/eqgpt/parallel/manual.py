@@ -35,6 +35,7 @@ from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
+from eqgpt.parallel.expert import moe_layers
 from eqgpt.parallel.part import GradFn, LossFn, Part
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules
@@ -304,6 +305,9 @@ class ManualPart(Part):
         return Rules(activations={"batch": "data"}, name="manual-batch")
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+        if moe_layers(model_like):
+            raise ValueError("the manual path does not run MoE layers; drop --manual (the automatic path runs "
+                             "them, and splits their experts with --mesh expert=N).")
         tensor = strategy.mesh.shape[TENSOR]
         check_tensor_parallel(model_like, tensor)
         if strategy.sequence_parallel and seq_len % tensor:

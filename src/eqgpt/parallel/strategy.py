@@ -43,6 +43,7 @@ from eqgpt.parallel.auto import check_divisibility
 from eqgpt.parallel.context.kernel import ContextConfig
 from eqgpt.parallel.context.model import strip_context_attention
 from eqgpt.parallel.context.part import ContextPart
+from eqgpt.parallel.expert import ExpertConfig, ExpertPart
 from eqgpt.parallel.manual import ManualPart
 from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.offload import OffloadPart
@@ -55,7 +56,7 @@ from eqgpt.precision import Policy
 
 # The parts a strategy's fields can ask for, in the order every method folds over them
 # (and `describe` lists them). A new kind of parallelism is one module and one entry here.
-PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ZeroPart, ManualPart, OffloadPart)
+PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart, ManualPart, OffloadPart)
 
 # How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
 RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
@@ -98,6 +99,9 @@ class Strategy:
       steps (`eqgpt.parallel.offload`).
     - `offload_params`: keep the model's arrays there too (with FSDP each device's
       shard): the step copies them in before the forward pass and the updated ones out.
+    - `expert`: an `eqgpt.parallel.expert.ExpertConfig`: how MoE layers' experts run
+      over the mesh's `expert` axis (default, whenever that axis is > 1: explicit
+      all-to-alls; see `docs/parallelism/expert.md`).
     - `extra_parts`: `eqgpt.parallel.part.Part`s of your own, folded after those
       the fields above ask for.
 
@@ -114,6 +118,7 @@ class Strategy:
     zero: Literal[0, 1, 2] = 0
     offload_opt_state: bool = False
     offload_params: bool = False
+    expert: ExpertConfig | None = None
     extra_parts: tuple[Part, ...] = ()
 
     def __post_init__(self):
@@ -161,18 +166,21 @@ class Strategy:
         zero: Literal[0, 1, 2] = 0,
         offload_opt_state: bool = False,
         offload_params: bool = False,
+        expert: str | None = None,
     ) -> Strategy:
         """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
 
         **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
         `rules` (presets joined by `+`), `pipeline` (a schedule name or `None`),
         `microbatches`, `virtual_stages`, `context` ("ring", "allgather" or `None`),
-        `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`.
+        `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`,
+        `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis).
         """
         pipe = PipelineConfig(pipeline, microbatches, virtual_stages) if pipeline else None
         ctx = ContextConfig(impl=context) if context else None
         return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
-                   offload_opt_state=offload_opt_state, offload_params=offload_params)
+                   offload_opt_state=offload_opt_state, offload_params=offload_params,
+                   expert=ExpertConfig(expert) if expert else None)
 
     # ------------------------------------------------------------------ what it uses
 

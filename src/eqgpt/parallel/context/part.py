@@ -16,6 +16,7 @@ from eqgpt.parallel.context.kernel import ContextConfig
 from eqgpt.parallel.context.layout import check_layout
 from eqgpt.parallel.context.loss import context_loss_fn, context_rules
 from eqgpt.parallel.context.model import use_context_attention
+from eqgpt.parallel.expert import moe_layers
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import Rules
 
@@ -40,6 +41,9 @@ class ContextPart(Part):
         return use_context_attention(model, strategy.mesh, self.config)
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+        if moe_layers(model_like):
+            raise ValueError("context parallelism does not run MoE models: its sequence-split loss has no router "
+                             "losses; drop --context (use --mesh expert=N, data or fsdp instead).")
         check_layout(seq_len, strategy.mesh.shape["context"], self.config.ordering)
 
     def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,

@@ -1,7 +1,7 @@
 """The pipeline as a `Strategy` part: `PipelineConfig` and `PipelinePart`.
 
 Layers are placed over `pipeline` (`PP` merged into the parameter rules), each
-step's rows are split over `data` and `fsdp` and into microbatches, and the
+step's rows are split over `data`, `fsdp` and `expert` and into microbatches, and the
 gradient is the schedule's (`pipeline_grad_fn`). Validation needs no pipeline:
 the partitioner runs each layer where the pipeline placed it.
 """
@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 
 from eqgpt.nn.protocol import num_layers
 from eqgpt.parallel.part import GradFn, Part
-from eqgpt.parallel.pipeline.executor import PP, check_pipeline, pipeline_grad_fn
+from eqgpt.parallel.pipeline.executor import PP, ROW_AXES, check_pipeline, pipeline_grad_fn
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules
 from eqgpt.precision import Policy
@@ -69,7 +69,7 @@ class PipelinePart(Part):
         return rules.merge(PP).update(name=rules.name)
 
     def batch_rules(self, strategy: Any) -> Rules:
-        return Rules(activations={"batch": ("data", "fsdp")}, name="pipeline-batch")
+        return Rules(activations={"batch": ROW_AXES}, name="pipeline-batch")
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         check_pipeline(num_layers(model_like), strategy.mesh, pipeline_schedule(strategy.mesh, self.config),
