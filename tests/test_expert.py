@@ -57,8 +57,14 @@ def test_expert_parallel_training_equals_one_device(corpus, reference, mesh, mod
     got, want = losses(corpus, mode, mesh), reference[mode]
     assert len(got) == len(want) == STEPS
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
-    np.testing.assert_allclose([r["moe_drop_rate"] for r in got], [r["moe_drop_rate"] for r in want], atol=1e-7)
-    np.testing.assert_allclose(got[-1]["moe_load"], want[-1]["moe_load"], atol=1e-6)
+    # Routing is discrete: after a few steps, a token whose top-k scores tie to fp32 rounding
+    # may go to the other expert under another summation order (tensor-parallel partial
+    # sums). Allow two assignments of the step's 1024 to move; the first step is exact.
+    one = 2 / 1024
+    np.testing.assert_allclose(got[0]["moe_load"], want[0]["moe_load"], atol=1e-7)
+    np.testing.assert_allclose(got[0]["moe_balance"], want[0]["moe_balance"], rtol=1e-5)
+    np.testing.assert_allclose([r["moe_drop_rate"] for r in got], [r["moe_drop_rate"] for r in want], atol=one)
+    np.testing.assert_allclose(got[-1]["moe_load"], want[-1]["moe_load"], atol=one)
     if mode == "capacity":
         assert want[0]["moe_drop_rate"] > 0  # capacity binds: the same tokens drop everywhere
     else:

@@ -10,7 +10,7 @@ from eqgpt.parallel import AXES, MeshConfig, make_mesh, mesh_config
 def test_parse_names_axes_and_leaves_the_rest_at_one():
     cfg = MeshConfig.parse("data=2, fsdp=2,tensor=2")
     assert cfg == MeshConfig(data=2, fsdp=2, tensor=2)
-    assert cfg.shape == (2, 2, 1, 1, 2) and cfg.size == 8
+    assert cfg.shape == (2, 2, 1, 1, 1, 2) and cfg.size == 8
     assert MeshConfig.parse("") == MeshConfig()
     assert str(cfg) == "data=2,fsdp=2,tensor=2"
 
@@ -45,10 +45,10 @@ def test_product_mismatch_names_both_counts():
         make_mesh("data=3,tensor=2")
 
 
-def test_make_mesh_has_all_five_axes_in_order_with_auto_types():
+def test_make_mesh_has_all_six_axes_in_order_with_auto_types():
     mesh = make_mesh("fsdp=4,tensor=2")
     assert tuple(mesh.axis_names) == AXES
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "pipeline": 1, "context": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "pipeline": 1, "context": 1, "expert": 1, "tensor": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert mesh.devices.size == jax.device_count() == 8
     assert mesh_config(mesh) == MeshConfig(fsdp=4, tensor=2)

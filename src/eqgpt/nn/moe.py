@@ -239,7 +239,7 @@ class MoE(eqx.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.experts.num_experts
+        return self.router.out_features  # static: also inside a shard_map holding a share of the experts
 
     def capacity(self, seq_len: int) -> int:
         """Slots per expert and sequence (see `expert_capacity`)."""

@@ -341,7 +341,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
                 return jnp.maximum(count, 1.0) / total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
 
             terms = jax.lax.cond(last, loss_terms, lambda h: vary(no_terms), h)
-            return h, (terms.at[0].add(extra), stats)
+            return h, vary((terms.at[0].add(extra), stats))  # varying like the cotangents `backward` gives
 
         def idle(chunk, rest_p, x, dy, data, first, last):
             zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
@@ -537,7 +537,8 @@ class PipelineGradFn:
         leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
         aux = {"nll": terms[1], "z_loss": terms[2]}
         if moe is not None:
-            aux |= moe_loss(stats, moe, rows=b, tokens=b * t)[1]
+            # Every (stage, microbatch, device) counted its layers: the model has `moe_layers`.
+            aux |= moe_loss(stats._replace(layers=jnp.float32(moe_layers)), moe, rows=b, tokens=b * t)[1]
         return (terms[0], aux), jax.tree.unflatten(layout, leaves)
 
 
