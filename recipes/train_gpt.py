@@ -101,7 +101,11 @@ class ModelConfig:
         moe = {k: getattr(self, k) for k in moe_names if getattr(self, k) is not None}
         if moe:
             base = eqgpt.preset(self.preset).moe or eqgpt.MoEConfig()
-            overrides["moe"] = dataclasses.replace(base, **moe)
+            try:
+                overrides["moe"] = dataclasses.replace(base, **moe)
+            except ValueError as e:  # name the flags the user gave
+                flags = ", ".join(f"--model.{k.replace('_', '-')} {v}" for k, v in moe.items())
+                raise ValueError(f"{e} (from {flags})") from None
         return eqgpt.preset(self.preset, scan_layers=self.scan_layers, **overrides)
 
 

@@ -7,19 +7,25 @@ written by the test; the losses of every mesh must match the single-device run's
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 import pytest
+import tyro
 from filelock import FileLock
 from recipe_runs import TINY, load_recipe, run_recipe, write_documents
 
 import eqgpt
+from eqgpt.data import Batch
 from eqgpt.nn import GPT
-from eqgpt.parallel import Strategy
+from eqgpt.parallel import Strategy, make_mesh
 from eqgpt.parallel.expert import all_to_all_bytes
 from eqgpt.profile import collectives
+from eqgpt.train import TrainState, make_train_step
 
 STEPS = 5
 MODES = {"capacity": [], "dropless": ["--model.dropless", "True"]}
@@ -28,22 +34,42 @@ STRATEGY = {"expert=2,fsdp=2,tensor=2": ["--strategy", "fsdp+tp"],
             "pipeline=2,expert=2,data=2": ["--pipeline", "1f1b", "--microbatches", "2"]}
 
 
+SAVED = "expert=4,data=2"  # its capacity run checkpoints after step 3; restored on other meshes below
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return root, write_documents(root / "docs")
+    # Shared by the xdist workers (their base directories' parent), with the runs below: a
+    # run one worker made, another reads instead of training again.
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "moe"
+    with FileLock(str(root) + ".lock"):
+        if not (root / "docs").exists():
+            write_documents(root / "docs")
+    return root, root / "docs"
+
+
+def run(corpus, name, args):
+    """`train_gpt.py` with `args`, once for all workers; **returns** its logged training rows."""
+    root, docs = corpus
+    out = root / name.replace(",", "_").replace("=", "")
+    with FileLock(str(out) + ".lock"):
+        done = out / "done"
+        if not done.exists():
+            run_recipe(load_recipe(), [*args, "--data.corpus", str(docs), "--data.cache-dir", str(root / "cache"),
+                                       "--eval-windows", "0", "--out-dir", str(out)])
+            done.touch()
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def mesh_flags(mesh):
+    return ["--mesh", mesh, *STRATEGY.get(mesh, [])] if mesh else []
 
 
 def losses(corpus, mode, mesh=None):
-    root, docs = corpus
-    out = root / f"run-{mode}-{mesh or 'one'}".replace(",", "_").replace("=", "")
-    args = [*TINY, "--model.preset", "moe-nano", *MODES[mode], "--data.corpus", str(docs),
-            "--data.cache-dir", str(root / "cache"), "--steps", str(STEPS), "--eval-windows", "0",
-            "--out-dir", str(out)]
-    if mesh:
-        args += ["--mesh", mesh, *STRATEGY.get(mesh, [])]
-    rows = [r for r in run_recipe(load_recipe(), args) if "loss" in r]
-    return rows
+    extra = ["--checkpoint-every", "3"] if (mesh, mode) == (SAVED, "capacity") else []
+    args = [*TINY, "--model.preset", "moe-nano", *MODES[mode], "--steps", str(STEPS), *mesh_flags(mesh), *extra]
+    return run(corpus, f"run-{mode}-{mesh or 'one'}", args)
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +95,62 @@ def test_expert_parallel_training_equals_one_device(corpus, reference, mesh, mod
         assert want[0]["moe_drop_rate"] > 0  # capacity binds: the same tokens drop everywhere
     else:
         assert all(r["moe_drop_rate"] == 0 for r in got)
+
+
+@pytest.mark.parametrize("target", [None, "expert=2,data=4"])
+def test_expert_parallel_checkpoint_restores_and_training_continues(corpus, reference, target):
+    """The step-3 checkpoint of the `expert=4,data=2` run, resumed on one device and on
+    `expert=2,data=4`: steps 4 and 5 equal the uninterrupted run's."""
+    root, _ = corpus
+    losses(corpus, "capacity", SAVED)  # the run that saved it (made once, by any worker)
+    saved = root / f"run-capacity-{SAVED}".replace(",", "_").replace("=", "")
+    name = f"resume-{target or 'one'}"
+    out = root / name.replace(",", "_").replace("=", "")
+    with FileLock(str(out) + ".lock"):
+        if not (out / "checkpoints").exists():
+            shutil.copytree(saved / "checkpoints" / "3", out / "checkpoints" / "3")
+    args = [*TINY, "--model.preset", "moe-nano", "--steps", str(STEPS), "--resume", *mesh_flags(target)]
+    resumed = run(corpus, name, args)
+    assert [r["step"] for r in resumed] == [4, 5]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference["capacity"][3:]],
+                               rtol=2e-5)
+
+
+def test_compiled_step_has_four_all_to_alls_per_moe_layer_of_the_analytic_size():
+    """Dispatch and combine, forward and backward, over `expert` only; each moves this
+    device's whole `[experts, rows, capacity, embed]` tensor, `(n-1)/n` of it to other devices."""
+    config = eqgpt.preset("moe-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=2, seq_len=32)
+    strategy = Strategy(make_mesh("expert=4,data=2"), "dp")
+    model = strategy.place_model(GPT(config, key=jax.random.key(0)))
+    optimizer = optax.adamw(1e-3)
+    state = TrainState(model, strategy.place_opt_state(optimizer.init(eqx.filter(model, eqx.is_array)), model),
+                       rng=jax.random.key(0))
+    batch = strategy.batch(Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(1), (8, 33), 0, 64))))
+    step = make_train_step(optimizer, strategy=strategy, model_like=model, donate=False)
+    compiled = step.lower(state, batch).compile({"xla_backend_optimization_level": 0})
+    rows = [r for r in collectives(compiled, strategy.mesh) if r.kind == "all-to-all"]
+    n, e, layers = 4, config.moe.num_experts, config.num_layers
+    assert sorted(r.phase for r in rows) == ["backward", "backward", "forward", "forward"]
+    assert all(r.axes == ("expert",) and r.executions == layers for r in rows)  # once per layer of the scan
+    local = e * 1 * model.blocks.mlp.capacity(config.seq_len) * config.embed_dim * 4  # 8 rows over 8 devices
+    assert all(r.bytes == local for r in rows)
+    sent = all_to_all_bytes(num_experts=e, rows=1, capacity=model.blocks.mlp.capacity(config.seq_len),
+                            embed=config.embed_dim, n=n)
+    assert sum(r.bytes * r.executions for r in rows) * (n - 1) / n == 4 * layers * sent
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--mesh", "expert=8"], r"no MoE layers.*--model.preset moe-nano"),
+    (["--model.preset", "moe-nano", "--model.num-experts", "6", "--mesh", "expert=4,data=2"],
+     r"num_experts=6 is not divisible by the expert axis.*--mesh expert=4"),
+    (["--model.preset", "moe-nano", "--model.top-k", "9"], r"top_k.*--model.top-k 9"),
+    (["--model.preset", "moe-nano", "--model.capacity-factor", "0"], r"capacity_factor.*--model.capacity-factor"),
+    (["--model.preset", "moe-nano", "--mesh", "expert=4,tensor=2", "--strategy", "tp", "--manual"],
+     r"drop --manual"),
+])
+def test_bad_expert_settings_fail_before_compiling(flags, match, tmp_path):
+    args = [*TINY, "--data.corpus", str(write_documents(tmp_path / "docs", n=4)), "--steps", "1",
+            "--out-dir", str(tmp_path / "run"), *flags]
+    with pytest.raises(ValueError, match=match):
+        load_recipe().main(tyro.cli(load_recipe().TrainConfig, args=args))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran

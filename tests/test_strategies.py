@@ -47,8 +47,8 @@ STRATEGIES = {
     "manual data=2,tensor=4 sp": ["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual"],
 }
 COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp")]
-# Checkpoint portability: saved under each, restored under the next (other than one device) and on one device,
-# so every strategy restores another's checkpoint and every checkpoint restores on one device.
+# Checkpoint portability: saved under each, restored under the next other than one device, so every
+# strategy restores another's checkpoint; the sharded checkpoints of the first two also restore on one device.
 PORTABLE = ["single", "fsdp+tp", "context=2,fsdp=2,tensor=2 ring", "pipeline=2,data=2,tensor=2 1f1b",
             "manual data=2,tensor=4 sp"]
 
@@ -72,7 +72,11 @@ def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]
     the compiled programs this worker has accumulated: XLA:CPU in jax 0.12 has crashed compiling
     in a long-lived test process what compiles fine in a new one); **returns** its logged losses."""
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES}
+    # Every run here is compared with other runs of this file only, all compiled alike: at XLA:CPU's
+    # backend optimisation level 0 (the HLO, its sharding and its collectives unchanged) they
+    # compile about a quarter faster.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES, "XLA_FLAGS": flags}
     proc = subprocess.run([sys.executable, str(RECIPE_PATH), *args], env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, f"train_gpt.py {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
@@ -111,7 +115,7 @@ def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_pat
     np.testing.assert_allclose(first[:3], ref[:3], rtol=1e-5)
     i = PORTABLE.index(saved)
     after = [p for p in PORTABLE[i + 1:] + PORTABLE[:i] if p != "single"]
-    targets = [after[0], "single"]
+    targets = [after[0], "single"] if i in (1, 2) else [after[0]]
     for target in targets:
         out = tmp_path / target.replace(" ", "_")
         shutil.copytree(saved_dir / "checkpoints" / "3", out / "checkpoints" / "3")  # the step-3 checkpoint only

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec, get_abstract_mesh
 from jaxtyping import Array, Float, PyTree
 
 from eqgpt.nn.moe import Experts, LocalExperts, MoE
-from eqgpt.parallel.collectives import all_to_all
+from eqgpt.parallel.collectives import all_gather, all_to_all
 from eqgpt.parallel.part import Part
 from eqgpt.parallel.rules import Rules
 
@@ -75,25 +75,47 @@ def exchange(experts: Experts, x: Float[Array, "experts rows slots embed"]) -> A
 
 
 class ExpertParallel(eqx.Module):
-    """The dispatch of an `MoE` layer over the `expert` axis of `mesh` (see the module docstring)."""
+    """The dispatch of an `MoE` layer over the `expert` axis of `mesh` (see the module docstring).
+
+    The `shard_map` is manual over every axis splitting the rows (`rows`: `expert`
+    first, then `data`/`fsdp` as the rules place the batch), so each device exchanges
+    only its own rows; an expert weight split over `fsdp` is gathered inside (its
+    gradient reduce-scattered by the transpose). `tensor` stays automatic.
+    """
 
     mesh: Mesh = eqx.field(static=True)
-    # The dispatched tensor keeps the rows' layout (split over `expert` like the batch).
+    rules: Rules = eqx.field(static=True)  # where the expert weights live (their `params` table)
+    rows: tuple[str, ...] = eqx.field(static=True, default=(AXIS,))
+    # The dispatched tensor keeps the rows' layout (split like the batch).
     layout: tuple = eqx.field(static=True, default=(None, "batch", None, "embed"))
     grouped: bool = eqx.field(static=True, default=False)  # fixed-size exchanges: no grouped matmul
+
+    def _spec(self, names: tuple[str, ...]) -> PartitionSpec:
+        """A weight's split over the manual `rows` axes (what the shard_map hands each device)."""
+        dims = [tuple(a for a in self.rules.axes(n) if a in self.rows) for n in names]
+        return PartitionSpec(*(d[0] if len(d) == 1 else (d or None) for d in dims))
 
     def __call__(self, experts: Experts, x: Float[Array, "experts rows slots embed"]) -> Array:
         if AXIS in get_abstract_mesh().manual_axes:  # inside a shard_map over `expert`: local blocks
             return exchange(experts, x)
         params, static = eqx.partition(experts, eqx.is_array)
+        names = experts.param_axes()
+        specs = eqx.tree_at(lambda e: [getattr(e, k) for k in names if getattr(e, k) is not None], params,
+                            [self._spec(v) for k, v in names.items() if getattr(params, k) is not None])
 
         def local(p, x_):
+            def gather(w, spec):  # FSDP's split of a weight (not the experts' own split)
+                for dim, axes in enumerate(spec):
+                    axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a != AXIS)
+                    w = all_gather(w, axes, dim=dim) if axes else w
+                return w
+
+            p = jax.tree.map(gather, p, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
             return exchange(eqx.combine(p, static), x_)
 
-        specs = jax.tree.map(lambda _: PartitionSpec(AXIS), params)
-        rows = PartitionSpec(None, AXIS)
+        rows = PartitionSpec(None, self.rows)
         return jax.shard_map(local, mesh=self.mesh, in_specs=(specs, rows), out_specs=rows,
-                             axis_names={AXIS})(params, x)
+                             axis_names=set(self.rows))(params, x)
 
 
 def _is_moe(x) -> bool:
@@ -113,10 +135,17 @@ def use_dispatch(model: PyTree, dispatch: eqx.Module) -> PyTree:
     return eqx.tree_at(lambda m: [layer.dispatch for layer in moe_layers(m)], model, [dispatch] * len(layers))
 
 
-def use_expert_parallel(model: PyTree, mesh: Mesh, config: ExpertConfig | None = None) -> PyTree:
-    """Install the dispatch of `config` (default: explicit all-to-all) into every MoE layer."""
+def use_expert_parallel(model: PyTree, mesh: Mesh, config: ExpertConfig | None = None,
+                        rules: Rules = EP) -> PyTree:
+    """Install the dispatch of `config` (default: explicit all-to-all) into every MoE layer;
+    `rules` place the batch's rows and the expert weights (they must split the batch over `expert`)."""
     config = ExpertConfig() if config is None else config
-    return use_dispatch(model, ExpertParallel(mesh) if config.impl == "alltoall" else LocalExperts())
+    if config.impl == "gspmd":
+        return use_dispatch(model, LocalExperts())
+    rows = tuple(a for a in rules.axes("batch", "activations") if a in (AXIS, "data", "fsdp"))
+    if AXIS not in rows:
+        raise ValueError(f"rules {rules.name!r} do not split the batch over 'expert'; merge EP into them.")
+    return use_dispatch(model, ExpertParallel(mesh, rules, rows))
 
 
 def check_expert(model_like: PyTree, mesh: Mesh) -> None:
@@ -165,10 +194,14 @@ class ExpertPart(Part):
                              "use --expert alltoall with --pipeline.")
 
     def rules(self, strategy: Any, rules: Rules) -> Rules:
-        return rules.merge(EP).update(name=f"{rules.name}+ep")
+        merged = rules.merge(EP)
+        # Rows split over `expert` first, then the other batch axes: the tiling `ExpertParallel`'s
+        # shard_map over `expert` alone sees (any other order makes the partitioner reshuffle rows).
+        batch = (AXIS, *(a for a in merged.activations["batch"] if a != AXIS))
+        return merged.update(activations={"batch": batch}, name=f"{rules.name}+ep")
 
     def prepare(self, strategy: Any, model: PyTree) -> PyTree:
-        return use_expert_parallel(model, strategy.mesh, self.config)
+        return use_expert_parallel(model, strategy.mesh, self.config, strategy.rules)
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         check_expert(model_like, strategy.mesh)
