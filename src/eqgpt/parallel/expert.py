@@ -17,8 +17,9 @@ device, each all-to-all moves `(n-1)/n` of the local dispatched tensor:
 `(n-1)/n * E * rows * capacity * embed * bytes` (see `all_to_all_bytes`).
 
 `ExpertParallel` is the dispatch that does this with the kit's typed
-collectives under `jax.shard_map` over `expert` only (other axes stay with the
-automatic partitioner, so `data`, `fsdp` and `tensor` compose). Where `expert`
+collectives under `jax.shard_map`, manual over the axes that split the rows
+(`expert`, `data`, `fsdp`; `tensor` stays with the automatic partitioner, so
+data, FSDP and tensor parallelism compose). Where `expert`
 is already manual (inside the pipeline's `shard_map`) it runs the per-device
 steps directly. The alternative, `ExpertConfig(impl="gspmd")`, keeps the local
 dispatch and lets GSPMD move the tokens from the activation rules.
