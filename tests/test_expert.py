@@ -49,10 +49,14 @@ def corpus(tmp_path_factory):
     return root, root / "docs"
 
 
+def out_dir(corpus, name):
+    return corpus[0] / name.replace(",", "_").replace("=", "")
+
+
 def run(corpus, name, args):
     """`train_gpt.py` with `args`, once for all workers; **returns** its logged training rows."""
     root, docs = corpus
-    out = root / name.replace(",", "_").replace("=", "")
+    out = out_dir(corpus, name)
     with FileLock(str(out) + ".lock"):
         done = out / "done"
         if not done.exists():
@@ -69,7 +73,11 @@ def mesh_flags(mesh):
 def losses(corpus, mode, mesh=None):
     extra = ["--checkpoint-every", "3"] if (mesh, mode) == (SAVED, "capacity") else []
     args = [*TINY, "--model.preset", "moe-nano", *MODES[mode], "--steps", str(STEPS), *mesh_flags(mesh), *extra]
-    return run(corpus, f"run-{mode}-{mesh or 'one'}", args)
+    return run(corpus, run_name(mode, mesh), args)
+
+
+def run_name(mode, mesh=None):
+    return f"run-{mode}-{mesh or 'one'}"
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +109,10 @@ def test_expert_parallel_training_equals_one_device(corpus, reference, mesh, mod
 def test_expert_parallel_checkpoint_restores_and_training_continues(corpus, reference, target):
     """The step-3 checkpoint of the `expert=4,data=2` run, resumed on one device and on
     `expert=2,data=4`: steps 4 and 5 equal the uninterrupted run's."""
-    root, _ = corpus
     losses(corpus, "capacity", SAVED)  # the run that saved it (made once, by any worker)
-    saved = root / f"run-capacity-{SAVED}".replace(",", "_").replace("=", "")
+    saved = out_dir(corpus, run_name("capacity", SAVED))
     name = f"resume-{target or 'one'}"
-    out = root / name.replace(",", "_").replace("=", "")
+    out = out_dir(corpus, name)
     with FileLock(str(out) + ".lock"):
         if not (out / "checkpoints").exists():
             shutil.copytree(saved / "checkpoints" / "3", out / "checkpoints" / "3")

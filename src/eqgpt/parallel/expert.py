@@ -78,8 +78,8 @@ def exchange(experts: Experts, x: Float[Array, "experts rows slots embed"]) -> A
 class ExpertParallel(eqx.Module):
     """The dispatch of an `MoE` layer over the `expert` axis of `mesh` (see the module docstring).
 
-    The `shard_map` is manual over every axis splitting the rows (`rows`: `expert`
-    first, then `data`/`fsdp` as the rules place the batch), so each device exchanges
+    The `shard_map` is manual over every axis splitting the rows (`rows`: `expert`,
+    `data`, `fsdp`, in the order the rules place the batch), so each device exchanges
     only its own rows; an expert weight split over `fsdp` is gathered inside (its
     gradient reduce-scattered by the transpose). `tensor` stays automatic.
     """
@@ -195,11 +195,7 @@ class ExpertPart(Part):
                              "use --expert alltoall with --pipeline.")
 
     def rules(self, strategy: Any, rules: Rules) -> Rules:
-        merged = rules.merge(EP)
-        # Rows split over `expert` first, then the other batch axes: the tiling `ExpertParallel`'s
-        # shard_map over `expert` alone sees (any other order makes the partitioner reshuffle rows).
-        batch = (AXIS, *(a for a in merged.activations["batch"] if a != AXIS))
-        return merged.update(activations={"batch": batch}, name=f"{rules.name}+ep")
+        return rules.merge(EP).update(name=f"{rules.name}+ep")
 
     def prepare(self, strategy: Any, model: PyTree) -> PyTree:
         return use_expert_parallel(model, strategy.mesh, self.config, strategy.rules)
