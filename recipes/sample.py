@@ -1,7 +1,7 @@
 """Generate text from a model trained by `recipes/train_gpt.py` (KV-cache decoding), on one device or a mesh.
 
-    .venv/bin/python recipes/sample.py --run-dir runs/nano --prompt "def parse(" --temperature 0.7
-    .venv/bin/python recipes/sample.py --run-dir runs/nano --cpu-devices 8 --mesh data=2,tensor=4 --temperature 0
+    .venv/bin/python recipes/sample.py --prompt "def parse(" --temperature 0.7   # the newest run (runs/latest)
+    .venv/bin/python recipes/sample.py --run-dir runs/nano-20261204-101500 --cpu-devices 8 --mesh data=2,tensor=4 --temperature 0
     .venv/bin/python recipes/sample.py --hf out/hf --prompt "Hello"      # a Hugging Face GPT-2 / Llama directory
 
 The tokenizer is the one the run recorded (`tokenizer.json` in the run directory;
@@ -25,8 +25,8 @@ from eqgpt.train import load_model
 class SampleConfig:
     """Load a trained model and continue a prompt."""
 
-    run_dir: Path = Path("runs/nano")
-    """Output directory of a training run (holds model.eqx, model_config.json and tokenizer.json)."""
+    run_dir: Path = Path("runs/latest")
+    """Output directory of a training run (holds model.eqx, model_config.json and tokenizer.json); default: the newest run."""
     hf: Path | None = None
     """Instead of --run-dir: a Hugging Face GPT-2 / Llama directory (config.json + model.safetensors)."""
     tokenizer: str | None = None
@@ -67,7 +67,11 @@ def main(cfg: SampleConfig) -> list[str]:
 
         model = load_hf(cfg.hf, strategy=strategy)[1]
     else:
-        model = load_model(cfg.run_dir)
+        run_dir = Path(cfg.run_dir).resolve()  # runs/latest: say which run it is
+        if not run_dir.is_dir():
+            raise SystemExit(f"error: no run directory {cfg.run_dir}; train one with recipes/train_gpt.py or pass --run-dir.")
+        print(f"loading run {run_dir}", flush=True)
+        model = load_model(run_dir)
     tok = load_tokenizer(cfg.tokenizer or (cfg.hf or cfg.run_dir))
     n_prompt = len(tok.encode(cfg.prompt))
     room = model.config.seq_len - n_prompt

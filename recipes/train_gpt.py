@@ -25,6 +25,7 @@ import tyro
 import eqgpt
 from eqgpt import distributed
 from eqgpt.data import bytes_per_token, eval_windows, load_corpus
+from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
@@ -45,6 +46,7 @@ from eqgpt.train import (
 )
 from eqgpt.train.checkpoint import Checkpointer
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
+from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir
 
 
 @dataclass
@@ -93,9 +95,11 @@ class ModelConfig:
     """Override: expert slots per sequence = ceil(capacity_factor * seq * top_k / experts); the rest drop."""
     dropless: bool | None = None
     """Override: compute every routed token (grouped matmul; no capacity, nothing drops)."""
+    vocab_size: int | None = None
+    """Override: vocabulary size. Default: the tokenizer's for text; for a .bin/.npy token file, its NAME.meta.json {"vocab_size": N}, else the file's max id + 1 rounded up to a multiple of 64."""
 
     def build(self) -> eqgpt.GPTConfig:
-        names = ("seq_len", "num_layers", "num_heads", "embed_dim", "position")
+        names = ("seq_len", "num_layers", "num_heads", "embed_dim", "position", "vocab_size")
         overrides = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         moe_names = ("num_experts", "top_k", "capacity_factor", "dropless")
         moe = {k: getattr(self, k) for k in moe_names if getattr(self, k) is not None}
@@ -193,8 +197,8 @@ class TrainConfig:
     """Store the parameters in the compute dtype (bf16/fp16) with fp32 master weights in the optimizer state."""
     z_loss: float = 0.0
     """Weight of the z-loss (mean squared log-partition), 0 to disable."""
-    out_dir: Path = Path("runs/nano")
-    """Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model)."""
+    out_dir: Path | None = None
+    """Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model). Default: a fresh runs/PRESET-YYYYmmdd-HHMMSS, with runs/latest pointing at it; with --resume, the run runs/latest points at."""
     log_every: int = 10
     """Steps between loss read-backs and metric lines."""
     eval_every: int = 100
@@ -240,6 +244,36 @@ def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):
     return policy.optimizer(make_optimizer(
         schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
         decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases)), schedule
+
+
+def vocab_size_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus) -> int:
+    """The model's vocabulary: a token file's (flag, sidecar or inferred); for text, --model.vocab-size,
+    else the preset's with bytes, else the tokenizer's. Never below the tokenizer's."""
+    if not is_token_file(cfg.data.corpus):  # text, tokenized here
+        vocab = cfg.model.vocab_size or (model_cfg.vocab_size if cfg.data.tokenizer == "bytes" else corpus.vocab_size)
+        if vocab < corpus.vocab_size:
+            raise ValueError(f"--model.vocab-size {vocab} is below the tokenizer's {corpus.vocab_size} "
+                             f"({corpus.tokenizer.name}); raise it or leave it out.")
+        return vocab
+    return corpus.vocab_size  # a token file: load_corpus checked every id against it
+
+
+def tokenizer_decodes(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig) -> bool:
+    """Whether the run's tokenizer decodes the model's ids: not for a token file of ids above 255 whose
+    tokenizer --data.tokenizer does not name (then no samples and no bits per byte)."""
+    return not (is_token_file(cfg.data.corpus) and cfg.data.tokenizer == "bytes" and model_cfg.vocab_size > 256)
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """--out-dir; else with --resume the run runs/latest points at; else a fresh runs/PRESET-<time>."""
+    if cfg.out_dir is not None:
+        return Path(cfg.out_dir)
+    if cfg.resume:
+        try:
+            return latest_run_dir("runs")
+        except FileNotFoundError as e:
+            raise ValueError(f"--resume: {e} Pass --out-dir to name the run to continue.") from None
+    return fresh_run_dir("runs", cfg.model.preset)
 
 
 def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> None:
@@ -306,7 +340,7 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     save_model(out, state.model)
     if is_main:
         corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
-    samples = sample(cfg, state, model_cfg, corpus.tokenizer)
+    samples = sample(cfg, state, model_cfg, corpus.tokenizer) if tokenizer_decodes(cfg, model_cfg) else []
     trainer.log_samples(summary["steps"], samples)
     _, vals = trainer.history.series("val_loss")
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
@@ -348,15 +382,20 @@ def main(cfg: TrainConfig) -> dict:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
-    model_cfg, out = cfg.model.build(), Path(cfg.out_dir)
+    model_cfg = cfg.model.build()
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
     corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
-                         min_tokens=model_cfg.seq_len + 1, vocab_size=model_cfg.vocab_size,
+                         min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
                          tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
-    model_cfg = model_cfg if cfg.data.tokenizer == "bytes" else model_cfg.replace(vocab_size=corpus.vocab_size)
+    model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+    out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
+    log(f"run directory: {out}")
+    if not tokenizer_decodes(cfg, model_cfg):
+        log(f"{cfg.data.corpus} holds ids up to vocab {model_cfg.vocab_size} and --data.tokenizer names no tokenizer "
+            "for them: no samples or bits per byte (pass the tokenizer.json or GPT-2 vocab.json that made the file)")
     write_run_config(cfg, model_cfg, out)
 
     optimizer, schedule = optimizer_of(cfg, policy)
@@ -383,7 +422,7 @@ def main(cfg: TrainConfig) -> dict:
         step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer, val_windows=val,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
                              progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
-                             bytes_per_token=None if val is None else bytes_per_token(corpus.tokenizer, val[:, 1:])),
+                             bytes_per_token=None if val is None or not tokenizer_decodes(cfg, model_cfg) else bytes_per_token(corpus.tokenizer, val[:, 1:])),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )
     return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)

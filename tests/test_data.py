@@ -234,3 +234,25 @@ def test_two_processes_load_the_one_process_batches():
                 np.testing.assert_array_equal(np.asarray(v), np.asarray(getattr(want, k)), err_msg=f"{mode} {k}")
         assert set(got[mode][0]) == ({"tokens", "targets"} if mode == "windows" else
                                      {"tokens", "targets", "segment_ids", "positions", "loss_mask"})
+
+
+def test_token_file_vocabulary_from_flag_sidecar_or_ids(tmp_path):
+    from eqgpt.data.corpus import inferred_vocab_size
+
+    assert [inferred_vocab_size(m) for m in (10, 255, 256, 50256)] == [256, 256, 320, 50304]
+    toks = (np.arange(3000) % 1500).astype(np.uint16)
+    toks.tofile(tmp_path / "t.bin")
+    assert load_corpus(tmp_path / "t.bin").vocab_size == 1536  # max id 1499 + 1, to a multiple of 64
+    assert load_corpus(tmp_path / "t.bin", vocab_size=1500).vocab_size == 1500
+    (tmp_path / "t.meta.json").write_text('{"vocab_size": 2000}')
+    assert load_corpus(tmp_path / "t.bin").vocab_size == 2000
+    assert load_corpus(tmp_path / "t.bin", vocab_size=1600).vocab_size == 1600  # the flag wins
+    (tmp_path / "t.meta.json").write_text('{"vocab_size": 1000}')
+    with pytest.raises(ValueError, match=r"max token id 1499 \(the first id >= 1000 at offset 1000\).*t\.meta\.json"):
+        load_corpus(tmp_path / "t.bin")
+    (tmp_path / "t.meta.json").write_text('{"size": 1000}')
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_corpus(tmp_path / "t.bin")
+    np.save(tmp_path / "n.npy", np.array([3, 1, -2, 5] * 50))
+    with pytest.raises(ValueError, match="negative token ids.*offset 2"):
+        load_corpus(tmp_path / "n.npy")

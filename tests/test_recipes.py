@@ -52,3 +52,46 @@ def test_help_documents_options():
     for flag in ("--steps", "--batch-size", "--data.corpus", "--optim.lr", "--model.preset", "--out-dir"):
         assert flag in out.stdout
     assert "Peak learning rate" in out.stdout
+
+
+def test_token_files_set_the_vocab_and_each_default_run_gets_its_own_directory(tmp_path, monkeypatch, capsys):
+    """A nanoGPT-style uint16 .bin of GPT-2 ids trains with no vocabulary flag; two default runs
+    leave two directories, and sample.py loads the newest and names it."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    gpt2_ids = rng.integers(0, 50257, 4000).astype(np.uint16)
+    gpt2_ids[7] = 50256  # <|endoftext|>: the top GPT-2 id
+    gpt2_ids.tofile("gpt2.bin")
+    rng.integers(0, 256, 4000).astype(np.uint16).tofile("bytes.bin")
+    train, sample = load("train_gpt"), load("sample")
+    small = dict(model=train.ModelConfig(seq_len=16, num_layers=1, embed_dim=32, num_heads=2), steps=2,
+                 batch_size=4, log_every=1, eval_every=2, eval_windows=2, peak_flops=1e9, progress=False)
+    train.main(train.TrainConfig(data=train.DataConfig(corpus="gpt2.bin", threads=0), sample_tokens=4, **small))
+    first = Path("runs/latest").resolve()
+    cfg = json.loads((first / "config.json").read_text())
+    assert cfg["model"]["vocab_size"] == 50304  # 50256 + 1, rounded up to a multiple of 64
+    assert "no samples" in capsys.readouterr().out  # no tokenizer for GPT-2 ids: said, not crashed
+    train.main(train.TrainConfig(data=train.DataConfig(corpus="bytes.bin", threads=0), sample_tokens=4, **small))
+    second = Path("runs/latest").resolve()
+    assert first != second and first.parent == second.parent == Path("runs").resolve()
+    assert sorted(p.name for p in Path("runs").iterdir()) == sorted([first.name, second.name, "latest"])
+    assert json.loads((second / "config.json").read_text())["model"]["vocab_size"] == 256
+    for run in (first, second):
+        assert (run / "model.eqx").is_file() and (run / "metrics.jsonl").is_file()
+    capsys.readouterr()
+    sample.main(sample.SampleConfig(prompt="a", max_new_tokens=2, num_samples=1))
+    assert f"loading run {second}" in capsys.readouterr().out
+    # A stated vocabulary below the file's ids: an error naming the file and its max id, and no new directory.
+    try:
+        train.main(train.TrainConfig(model=train.ModelConfig(vocab_size=1000, **vars_of(small["model"])),
+                                     data=train.DataConfig(corpus="gpt2.bin", threads=0),
+                                     **{k: v for k, v in small.items() if k != "model"}))
+    except ValueError as e:
+        assert "gpt2.bin" in str(e) and "max token id 50256" in str(e) and "--model.vocab-size" in str(e)
+    else:
+        raise AssertionError("vocab_size 1000 below id 50256 was accepted")
+    assert len(list(Path("runs").iterdir())) == 3
+
+
+def vars_of(model_config):
+    return {k: v for k, v in vars(model_config).items() if k in ("seq_len", "num_layers", "embed_dim", "num_heads")}

@@ -242,18 +242,57 @@ def _corpus_tokenizer(tokenizer: str | Tokenizer, cache: Path, train_files: list
     return tok
 
 
-def _token_file_corpus(path: Path, *, val_percent: float, vocab_size: int) -> Corpus:
+def is_token_file(source: str | Path) -> bool:
+    """Whether `load_corpus(source)` reads pre-tokenized ids (an existing `.bin`/`.npy`) rather than text."""
+    return Path(str(source)).suffix in TOKEN_SUFFIXES and Path(str(source)).is_file()
+
+
+def vocab_sidecar(tokens_path: Path) -> Path:
+    """The optional vocabulary file beside a token file: `name.bin` -> `name.meta.json`,
+    holding `{"vocab_size": N}` (what the tokenizer that made the file has)."""
+    return Path(tokens_path).with_suffix(".meta.json")
+
+
+def inferred_vocab_size(max_id: int) -> int:
+    """The vocabulary a token file implies when nothing states it: its largest id + 1,
+    rounded up to a multiple of 64 (wider, better-shaped matmuls; the extra rows are never
+    targets), and at least 256 so that byte files keep the byte vocabulary."""
+    return max(256, -(-(max_id + 1) // 64) * 64)
+
+
+def _token_file_vocab(path: Path, tokens: np.ndarray, vocab_size: int | None) -> int:
+    """`vocab_size` if given, else the sidecar's, else inferred from the ids; checked against them."""
+    if tokens.size and np.issubdtype(tokens.dtype, np.signedinteger) and int(tokens.min()) < 0:
+        raise ValueError(f"{path} holds negative token ids (the first at offset {int(np.argmax(tokens < 0))}); "
+                         "token ids must lie in 0..vocab_size-1.")
+    max_id = int(tokens.max()) if tokens.size else 0
+    source = "given (vocab_size, --model.vocab-size in train_gpt.py)"
+    if vocab_size is None and vocab_sidecar(path).exists():
+        try:
+            vocab_size = int(json.loads(vocab_sidecar(path).read_text())["vocab_size"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{vocab_sidecar(path)} must hold {{\"vocab_size\": N}}: {e!r}") from None
+        source = f"from {vocab_sidecar(path)}"
+    if vocab_size is None:
+        return inferred_vocab_size(max_id)
+    if max_id >= vocab_size:
+        first = int(np.argmax(tokens >= vocab_size))
+        raise ValueError(
+            f"{path} has max token id {max_id} (the first id >= {vocab_size} at offset {first}), but vocab_size is "
+            f"{vocab_size} ({source}); give a vocab_size above {max_id} (--model.vocab-size), fix "
+            f"{vocab_sidecar(path).name}, or remove both to infer it from the file."
+        )
+    return vocab_size
+
+
+def _token_file_corpus(path: Path, *, val_percent: float, vocab_size: int | None) -> Corpus:
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"{path} holds {tokens.dtype} of shape {tokens.shape}; save a 1-D integer token array.")
     else:
         tokens = _memmap(path)
-    if tokens.size and int(tokens.max()) >= vocab_size:
-        raise ValueError(
-            f"{path} has token id {int(tokens.max())} >= vocab_size {vocab_size}; "
-            "build the model with a larger vocab_size."
-        )
+    vocab_size = _token_file_vocab(path, tokens, vocab_size)
     n_val = int(len(tokens) * val_percent / 100)
     bounds = None
     if docs_path(path).exists():  # optional document boundaries: [0, end_0, ..., len(tokens)]
@@ -272,7 +311,7 @@ def load_corpus(
     cache_dir: str | Path | None = None,
     val_percent: float = 5.0,
     min_tokens: int = 1,
-    vocab_size: int = 256,
+    vocab_size: int | None = None,
     tokenizer: str | Tokenizer = "bytes",
     progress: bool = False,
 ) -> Corpus:
@@ -287,7 +326,9 @@ def load_corpus(
       of the token tail for token files.
     - `min_tokens`: each split must hold at least this many tokens (one training
       sequence plus its target, `seq_len + 1`); a clear error otherwise.
-    - `vocab_size`: the largest allowed id + 1 for token files (text: the tokenizer's).
+    - `vocab_size`: for token files, the vocabulary (every id must lie below it). None
+      (default): the sidecar `name.meta.json`'s `{"vocab_size": N}` if there is one, else
+      `inferred_vocab_size(max id)`. Text corpora take the tokenizer's.
     - `tokenizer`: `"bytes"` (default), `"bpe:N"` (a byte-level BPE of N tokens trained
       on the training split, cached as `tokenizer.json` next to the token cache), a
       `tokenizer.json`, a GPT-2 `vocab.json` (see `eqgpt.data.load_tokenizer`), or a
@@ -302,7 +343,7 @@ def load_corpus(
     if str(source) == "stdlib":
         corpus = _text_corpus("stdlib", stdlib_root(), stdlib_files(), cache_dir=cache_dir,
                               val_percent=val_percent, tokenizer=tokenizer, progress=progress)
-    elif Path(str(source)).suffix in TOKEN_SUFFIXES and Path(str(source)).is_file():
+    elif is_token_file(source):
         if isinstance(tokenizer, str) and parse_bpe_spec(tokenizer) is not None:
             raise ValueError(f"{source} is already tokenized, so there is no text to train {tokenizer!r} on; "
                              "pass the tokenizer.json that made it (or 'bytes').")

@@ -3,7 +3,7 @@
 - `load_hf_gpt2(path) -> (GPTConfig, GPT)`, `load_hf_llama`, `load_hf` (either, by
   `model_type`); `strategy=` loads straight onto a mesh, each device reading its slice.
 - `save_hf_gpt2(model, dir)`, `save_hf_llama`, `save_hf`: files `transformers` loads.
-- `python -m eqgpt.interop export --run runs/nano --to out/hf`: a training run's saved
+- `python -m eqgpt.interop export --run runs/latest --to out/hf`: a training run's saved
   model (or its latest Orbax checkpoint) and tokenizer as a Hugging Face directory;
   `python -m eqgpt.interop import --from hf_dir --to runs/gpt2`: the reverse.
 

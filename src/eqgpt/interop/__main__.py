@@ -1,7 +1,7 @@
 """`python -m eqgpt.interop`: training runs to and from Hugging Face directories.
 
-    python -m eqgpt.interop export --run runs/nano --to out/hf             # model.eqx, else the latest checkpoint
-    python -m eqgpt.interop export --run runs/nano --to out/hf --step 200  # a particular Orbax checkpoint
+    python -m eqgpt.interop export --run runs/latest --to out/hf             # model.eqx, else the latest checkpoint
+    python -m eqgpt.interop export --run runs/latest --to out/hf --step 200  # a particular Orbax checkpoint
     python -m eqgpt.interop import --from out/hf --to runs/gpt2            # a HF directory as a run (model.eqx)
 
 An export holds `config.json`, `model.safetensors` and the run's tokenizer
