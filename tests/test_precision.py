@@ -100,19 +100,16 @@ def fp32_run():
 
 def test_fp16_tracks_fp32_for_30_steps():
     _, ref = fp32_run()
-    state, hist = train(Policy("fp32", "fp16", loss_scaling=True, growth_interval=10), 30)
+    # The scale starts at 2^10 and doubles every 10 good steps, to 2^12. At the policy's
+    # default 2^15 it reaches 2^16 at step 10, where step 17's gradients (norm 8.5) overflow
+    # fp16 on jax 0.12 but not on 0.10: a skipped step, and then the runs differ by 5%. The
+    # skip-and-halve path is the injected-overflow test's; this one compares clean steps.
+    policy = Policy("fp32", "fp16", loss_scaling=True, initial_scale=2.0**10, growth_interval=10)
+    state, hist = train(policy, 30)
     l32, l16 = np.array([h["loss"] for h in ref]), np.array([h["loss"] for h in hist])
     assert l32[-1] < l32[0] - 1.0  # it learns
-    # The two runs start equal to fp16's rounding and then drift apart as the rounding
-    # compounds through the updates (on jax 0.10 within 2e-4 at every step; on jax 0.12
-    # one mid-run step differed by over 2%). So: the first steps agree to 1e-3, every
-    # step to 5%, and the mean of the last ten to 1%. A broken loss scale misses all
-    # three. At lr 2e-3 this run has no overflow in 30 steps, even with the scale
-    # doubling every 10 good steps; the skip-and-halve path is the injected-overflow test's.
     rel = np.abs(l16 - l32) / l32
-    assert np.all(rel[:5] <= 1e-3), rel
-    assert np.all(rel <= 0.05), rel
-    assert abs(l16[-10:].mean() - l32[-10:].mean()) <= 0.01 * l32[-10:].mean(), rel
+    assert np.all(rel <= 2e-3), rel  # measured: at most 1.3e-4 (jax 0.10) and 1.6e-4 (jax 0.12)
     assert not any(h["skipped"] for h in hist)
     scales = [h["loss_scale"] for h in hist]
     assert max(scales) > scales[0]  # grew after 10 good steps
