@@ -266,21 +266,20 @@ def _token_file_vocab(path: Path, tokens: np.ndarray, vocab_size: int | None) ->
         raise ValueError(f"{path} holds negative token ids (the first at offset {int(np.argmax(tokens < 0))}); "
                          "token ids must lie in 0..vocab_size-1.")
     max_id = int(tokens.max()) if tokens.size else 0
-    source = "given (vocab_size, --model.vocab-size in train_gpt.py)"
+    source, fix = "given as vocab_size, --model.vocab-size in train_gpt.py", f"give one above {max_id}, or leave it out to infer it from the file"
     if vocab_size is None and vocab_sidecar(path).exists():
         try:
             vocab_size = int(json.loads(vocab_sidecar(path).read_text())["vocab_size"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{vocab_sidecar(path)} must hold {{\"vocab_size\": N}}: {e!r}") from None
-        source = f"from {vocab_sidecar(path)}"
+        source, fix = f"from {vocab_sidecar(path)}", f"write one above {max_id} there, or delete {vocab_sidecar(path).name} to infer it from the file"
     if vocab_size is None:
         return inferred_vocab_size(max_id)
     if max_id >= vocab_size:
         first = int(np.argmax(tokens >= vocab_size))
         raise ValueError(
             f"{path} has max token id {max_id} (the first id >= {vocab_size} at offset {first}), but vocab_size is "
-            f"{vocab_size} ({source}); give a vocab_size above {max_id} (--model.vocab-size), fix "
-            f"{vocab_sidecar(path).name}, or remove both to infer it from the file."
+            f"{vocab_size} ({source}); {fix}."
         )
     return vocab_size
 
