@@ -29,6 +29,7 @@ from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
+from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text
 from eqgpt.train import (
@@ -155,6 +156,8 @@ class TrainConfig:
     """Pipeline microbatches per step."""
     virtual_stages: int = 2
     """Layer chunks per pipeline device (interleaved schedule)."""
+    pipeline_layers: str = "equal"
+    """Layers per pipeline stage: 'equal', 'auto' (balanced by measured FLOPs: the embedding and head stages take fewer) or counts per virtual stage, e.g. '4,4,4,0'."""
     context: Literal["ring", "allgather"] | None = None
     """Split the sequence over the mesh's 'context' axis (zigzag order) with ring or all-gather attention."""
     expert: Literal["alltoall", "gspmd"] | None = None
@@ -222,7 +225,7 @@ class TrainConfig:
 def strategy_of(cfg: TrainConfig) -> Strategy:
     """The one object that says how this run is distributed (a single device without --mesh)."""
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
-                          virtual_stages=cfg.virtual_stages, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
+                          virtual_stages=cfg.virtual_stages, pipeline_layers=cfg.pipeline_layers, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
                           offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
                           expert=cfg.expert)
 
@@ -393,6 +396,8 @@ def main(cfg: TrainConfig) -> dict:
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
     log(f"run directory: {out}")
+    if strategy.pipeline is not None:
+        log(describe_stages(strategy, model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)))
     if not tokenizer_decodes(cfg, model_cfg):
         log(f"{cfg.data.corpus} holds ids up to vocab {model_cfg.vocab_size} and --data.tokenizer names no tokenizer "
             "for them: no samples or bits per byte (pass the tokenizer.json or GPT-2 vocab.json that made the file)")

@@ -79,6 +79,9 @@ CASES = {
     "1f1b-m8": ("pipeline=4,data=2", "dp", "1f1b", 8),
     "interleaved-m4": ("pipeline=4,data=2", "dp", "interleaved", 4),
     "pp4-fsdp2": ("pipeline=4,fsdp=2", "fsdp", "1f1b", 4),
+    # Uneven stages (the last runs no layer, only the head), padding slots skipped.
+    "1f1b-uneven": ("pipeline=4,data=2", "dp", "1f1b", 4, (3, 3, 2, 0)),
+    "interleaved-uneven": ("pipeline=4,data=2", "dp", "interleaved", 4, (2, 1, 1, 1, 1, 1, 1, 0)),
 }
 
 
@@ -99,8 +102,9 @@ def check_reductions_once_per_step(compiled, mesh, schedule):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_matches_single_device_over_five_steps(case, init_model, reference):
-    mesh_spec, rules, schedule, m = CASES[case]
-    strategy = Strategy(make_mesh(mesh_spec), rules, pipeline=PipelineConfig(schedule, m, virtual_stages=2))
+    mesh_spec, rules, schedule, m, *split = CASES[case]
+    strategy = Strategy(make_mesh(mesh_spec), rules,
+                        pipeline=PipelineConfig(schedule, m, virtual_stages=2, layers_per_stage=(split or ["equal"])[0]))
     ref_losses, ref_final = reference
     losses, final, compiled = train(strategy, init_model)
     check_reductions_once_per_step(compiled, strategy.mesh, strategy.pipeline_schedule())

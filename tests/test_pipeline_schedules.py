@@ -19,6 +19,14 @@ from eqgpt.parallel import make_mesh
 from eqgpt.parallel.pipeline import (
     Action,
     Schedule,
+    StageCosts,
+    balanced_layers,
+    equal_layers,
+    from_stages,
+    measure_costs,
+    stage_flops,
+    stage_slots,
+    to_stages,
     gpipe,
     interleaved,
     lower,
@@ -188,3 +196,63 @@ def test_pipeline_takes_a_batch_and_a_language_model():
 
     with pytest.raises(ValueError, match=r"NoHead does not satisfy eqgpt.nn.LanguageModel.*'run_blocks'"):
         fn(NoHead(jnp.zeros((4, 2))), _batch(8))
+
+
+# ------------------------------------------------------------------ layers per stage
+
+
+def test_balanced_split_weighs_the_head_against_layers():
+    """Each layer goes to the cheapest stage so far; no other split has a faster slowest stage."""
+    head_heavy = StageCosts(embed=0.01, layer=1.0, head=4.45)  # GPT-2 small's head: about 4.4 layers
+    assert balanced_layers(head_heavy, 12, 4) == (4, 4, 4, 0)
+    assert balanced_layers(head_heavy, 12, 2) == (8, 4)
+    assert balanced_layers(StageCosts(embed=0.0, layer=1.0, head=0.0), 12, 4) == equal_layers(12, 4)
+    for costs in (head_heavy, StageCosts(embed=0.7, layer=1.0, head=1.6)):
+        for L, G in ((6, 3), (7, 4)):
+            split = balanced_layers(costs, L, G)
+            slowest = lambda s: max(costs.stage(n, g == 0, g == len(s) - 1) for g, n in enumerate(s))  # noqa: E731
+            every = [s for s in itertools.product(range(L + 1), repeat=G) if sum(s) == L]
+            assert sum(split) == L and slowest(split) == min(map(slowest, every)), (costs, L, G, split)
+
+
+def test_uneven_stages_hold_their_own_layers_and_padding_slots():
+    layers = jnp.arange(8)
+    staged = to_stages(layers, 4, 1, (3, 3, 2, 0))
+    np.testing.assert_array_equal(staged[:, 0], [[0, 1, 2], [3, 4, 5], [6, 7, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(stage_slots(4, 1, (3, 3, 2, 0))[:, 0],
+                                  [[1, 1, 1], [1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    # Interleaved: virtual stage c * p + s sits on device s, chunk c.
+    staged = to_stages(layers, 2, 2, (1, 3, 2, 2))
+    np.testing.assert_array_equal(staged, [[[0, 0, 0], [4, 5, 0]], [[1, 2, 3], [6, 7, 0]]])
+    for split, p, v in (((3, 3, 2, 0), 4, 1), ((1, 3, 2, 2), 2, 2), ((2, 2, 2, 2), 4, 1)):
+        np.testing.assert_array_equal(from_stages(to_stages(layers, p, v, split), split), layers)
+
+
+def test_auto_split_of_gpt2_small_on_four_stages_comes_from_measured_flops():
+    """The lowered FLOPs of GPT-2 small: the head (768 x 50304) costs about 4.4 layers."""
+    model = eqx.filter_eval_shape(lambda k: nn.GPT(eqgpt.config.preset("gpt2-small"), key=k), jax.random.key(0))
+    costs = measure_costs(model, (1, 1024))
+    assert 4.0 < costs.head / costs.layer < 5.0 and costs.embed < 0.01 * costs.layer
+    fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b", 4, layers_per_stage="auto")
+    assert fn.split(model, (8, 1024)) == (4, 4, 4, 0)  # one row per device and microbatch
+    flops = stage_flops(model, (1, 1024), (4, 4, 4, 0))
+    np.testing.assert_allclose(flops, [costs.stage(4, True, False), costs.stage(4, False, False),
+                                       costs.stage(4, False, False), costs.stage(0, False, True)], rtol=0.01)
+
+
+@pytest.mark.parametrize("split, match", [
+    ((2, 2, 2), r"layers_per_stage=\(2, 2, 2\) must give each of the 4 virtual stages"),
+    ((3, 3, 3, -1), "a count >= 0"),
+    ("half", "use 'equal', 'auto' or a count per virtual stage"),
+])
+def test_bad_layers_per_stage(split, match):
+    with pytest.raises(ValueError, match=match):
+        fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b", 4, layers_per_stage=split)
+        fn(_model(8), _batch(8))
+
+
+def test_uneven_split_still_needs_layers_the_pipeline_divides():
+    """The layer stack stays placed evenly over `pipeline`; only the stages' share of it varies."""
+    fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b", 4, layers_per_stage=(3, 2, 1, 0))
+    with pytest.raises(ValueError, match="num_layers=6 is not divisible by the pipeline size 4"):
+        fn(_model(6), _batch(8))

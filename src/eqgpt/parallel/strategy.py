@@ -161,6 +161,7 @@ class Strategy:
         pipeline: str | None = None,
         microbatches: int = 4,
         virtual_stages: int = 2,
+        pipeline_layers: str = "equal",
         context: str | None = None,
         manual: bool = False,
         zero: Literal[0, 1, 2] = 0,
@@ -172,11 +173,13 @@ class Strategy:
 
         **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
         `rules` (presets joined by `+`), `pipeline` (a schedule name or `None`),
-        `microbatches`, `virtual_stages`, `context` ("ring", "allgather" or `None`),
+        `microbatches`, `virtual_stages`, `pipeline_layers` ("equal", "auto" or counts
+        such as "4,4,4,0"), `context` ("ring", "allgather" or `None`),
         `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`,
         `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis).
         """
-        pipe = PipelineConfig(pipeline, microbatches, virtual_stages) if pipeline else None
+        pipe = (PipelineConfig(pipeline, microbatches, virtual_stages, PipelineConfig.parse_layers(pipeline_layers))
+                if pipeline else None)
         ctx = ContextConfig(impl=context) if context else None
         return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
                    offload_opt_state=offload_opt_state, offload_params=offload_params,

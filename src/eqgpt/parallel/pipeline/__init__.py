@@ -1,14 +1,24 @@
-"""Pipeline parallelism: schedules as data (`schedules`) and one SPMD executor (`executor`).
+"""Pipeline parallelism: schedules as data (`schedules`), one SPMD executor (`executor`), and
+the layers each stage runs (`balance`).
 
 See `docs/parallelism/pipeline.md`.
 """
 
+from eqgpt.parallel.pipeline.balance import (
+    StageCosts,
+    balance_table,
+    balanced_layers,
+    equal_layers,
+    measure_costs,
+    stage_flops,
+)
 from eqgpt.parallel.pipeline.executor import (
     PP,
     bubble_report,
     check_pipeline,
     from_stages,
     pipeline_grad_fn,
+    stage_slots,
     to_stages,
 )
 from eqgpt.parallel.pipeline.lowering import Lowered, lower
@@ -26,5 +36,6 @@ from eqgpt.parallel.pipeline.schedules import (
 __all__ = [
     "Action", "Schedule", "SCHEDULES", "from_programs", "gpipe", "one_f_one_b", "interleaved",
     "make_pipeline_schedule", "lower", "Lowered", "pipeline_grad_fn", "check_pipeline", "bubble_report",
-    "PP", "to_stages", "from_stages",
+    "PP", "to_stages", "from_stages", "stage_slots",
+    "StageCosts", "balance_table", "equal_layers", "balanced_layers", "measure_costs", "stage_flops",
 ]

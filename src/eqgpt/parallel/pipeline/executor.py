@@ -77,6 +77,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from einops import rearrange
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array
@@ -95,6 +96,7 @@ from eqgpt.parallel.collectives import (
     reduce_scatter,
     to_varying,
 )
+from eqgpt.parallel.pipeline.balance import balanced_layers, check_layers, equal_layers, measure_costs
 from eqgpt.parallel.pipeline.lowering import (
     ACT_READ,
     ACT_WRITE,
@@ -126,13 +128,15 @@ PP = Rules(params={"layers": PIPELINE}, name="pp")
 
 
 def check_pipeline(
-    config_layers: int, mesh: Mesh, schedule: Schedule, batch_size: int | None = None, *, context: Any = None
+    config_layers: int, mesh: Mesh, schedule: Schedule, batch_size: int | None = None, *, context: Any = None,
+    layers_per_stage: tuple[int, ...] | str = "equal",
 ) -> None:
     """Raise `ValueError` (before anything compiles) for sizes the pipeline cannot split.
 
     **Arguments:** the model's number of layers, the `mesh`, the `schedule`,
-    optionally the global `batch_size`, and the `ContextConfig` when the sequence
-    is split over `context` too.
+    optionally the global `batch_size`, the `ContextConfig` when the sequence
+    is split over `context` too, and the split of the layers (`"equal"`, `"auto"`
+    or a count per virtual stage).
     """
     missing = [a for a in (*MANUAL_AXES, "tensor") if a not in mesh.shape]
     if missing:
@@ -146,13 +150,20 @@ def check_pipeline(
         raise ValueError("the mesh has a context axis but the pipeline has no context attention; pass "
                          "context=ContextConfig('ring') (recipe: --context ring) or set context=1.")
     G = schedule.num_virtual_stages
-    if config_layers % G:
+    if not isinstance(layers_per_stage, str):
+        check_layers(layers_per_stage, config_layers, G)
+    elif layers_per_stage not in ("equal", "auto"):
+        raise ValueError(f"layers_per_stage={layers_per_stage!r}: use 'equal', 'auto' or a count per virtual stage.")
+    if config_layers % (p if layers_per_stage != "equal" else G):
         ok_p = [d for d in range(1, config_layers + 1) if config_layers % (d * schedule.num_chunks) == 0]
         ok_layers = [G * k for k in range(1, 5)]
+        if layers_per_stage != "equal":  # the layer stack is still placed evenly over `pipeline`
+            raise ValueError(f"num_layers={config_layers} is not divisible by the pipeline size {p}, over which "
+                             "the layers are placed; choose a pipeline size that divides it.")
         raise ValueError(
             f"num_layers={config_layers} cannot be split into {p} stages x {schedule.num_chunks} chunks "
             f"= {G} virtual stages of equal depth; use pipeline size in {ok_p} for this model, "
-            f"or num_layers in {ok_layers}... for this mesh."
+            f"or num_layers in {ok_layers}... for this mesh, or layers_per_stage='auto' (a balanced split)."
         )
     if batch_size is not None:
         d = math.prod(mesh.shape.get(a, 1) for a in ROW_AXES)
@@ -190,14 +201,39 @@ def _batch_axes(spec: PartitionSpec, ndim: int, drop_lead: bool = False) -> Batc
     return BatchAxes(dims[1:] if drop_lead else dims)
 
 
-def to_stages(x: Array, p: int, v: int) -> Array:
-    """`[L, ...]` layers -> `[p, v, L/(p v), ...]`: device `s` holds chunks `s, s+p, ...`."""
-    return rearrange(x, "(v p l) ... -> p v l ...", p=p, v=v)
+def to_stages(x: Array, p: int, v: int, layers_per_stage: tuple[int, ...] | None = None) -> Array:
+    """`[L, ...]` layers -> `[p, v, L/(p v), ...]`: device `s` holds chunks `s, s+p, ...`.
+
+    With `layers_per_stage` (a count per virtual stage `c p + s`) each chunk holds
+    `max(layers_per_stage)` slots, its own layers first; the rest repeat layer 0 and
+    are skipped (`stage_slots` says which slots hold a layer).
+    """
+    if layers_per_stage is None:
+        return rearrange(x, "(v p l) ... -> p v l ...", p=p, v=v)
+    index, _ = _slots(layers_per_stage)
+    return rearrange(x[index], "(v p) l ... -> p v l ...", p=p, v=v)
 
 
-def from_stages(x: Array) -> Array:
-    """The inverse of `to_stages`."""
-    return rearrange(x, "p v l ... -> (v p l) ...")
+def from_stages(x: Array, layers_per_stage: tuple[int, ...] | None = None) -> Array:
+    """The inverse of `to_stages` (padding slots dropped)."""
+    if layers_per_stage is None:
+        return rearrange(x, "p v l ... -> (v p l) ...")
+    _, used = _slots(layers_per_stage)
+    return rearrange(x, "p v l ... -> (v p l) ...")[np.flatnonzero(used.reshape(-1))]
+
+
+def stage_slots(p: int, v: int, layers_per_stage: tuple[int, ...]) -> np.ndarray:
+    """`[p, v, max(layers_per_stage)]` booleans: which slots of `to_stages` hold a layer."""
+    return rearrange(_slots(layers_per_stage)[1], "(v p) l -> p v l", p=p, v=v)
+
+
+def _slots(layers_per_stage: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per virtual stage and slot: the layer it holds (0 in a padding slot), and whether it holds one."""
+    width = max(max(layers_per_stage), 1)
+    first = np.cumsum((0, *layers_per_stage[:-1]))
+    slot = np.arange(width)
+    used = slot[None, :] < np.asarray(layers_per_stage)[:, None]
+    return np.where(used, first[:, None] + slot[None, :], 0), used
 
 
 def _split_model(model):
@@ -272,8 +308,11 @@ def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BA
 
 def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
                block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None,
-               moe: MoEConfig | None = None, moe_layers: int = 0):
-    """The `shard_map`ped step `(staged blocks, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
+               moe: MoEConfig | None = None, moe_layers: int = 0, padded: bool = False):
+    """The `shard_map`ped step `(staged blocks, slots, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
+
+    `slots` (`stage_slots`, placed like the blocks) says which layer slots of each
+    chunk hold a layer; with `padded` the others are skipped (uneven `layers_per_stage`).
 
     `width` is the model's activation width; `positions` the global position of each
     slot of the (possibly laid-out) sequence. With `context_axis` the sequence of the
@@ -297,8 +336,9 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
     token_axes = (*ROW_AXES, *seq_axes)  # every device here holds a share of the tokens
     vary = lambda tree: to_varying(tree, manual)  # noqa: E731
 
-    def step(blocks, rest, batch, positions, scale):
+    def step(blocks, slots, rest, batch, positions, scale):
         blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
+        slots = slots[0]
         blocks = vary(_gather_params(blocks, block_axes, lead=2))
         rest = vary(_gather_params(rest, rest_axes))
         bl, t = batch["tokens"].shape
@@ -318,14 +358,33 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         rows_total = bl * math.prod(mesh.shape[a] for a in ROW_AXES)
         seq_total = t * math.prod(mesh.shape[a] for a in seq_axes)
 
-        def run(chunk, rest_p, x, data, first, last):
-            """One virtual stage: (input, or tokens if `first`) -> (output, (loss terms if `last`, MoE stats))."""
-            model = _stage_model(policy.cast_to_compute(rest_p), policy.cast_to_compute(chunk), static)
-            x = jax.lax.cond(first, lambda: model.embed(data["tokens"], pos).astype(act), lambda: x)
+        def layers(model, x, data):
+            """Every layer of `model.blocks` on `x`: (output, MoE stats or None)."""
             if moe is None:
-                h, stats, extra = model.run_blocks(x, pos, data.get("segment_ids")), None, 0.0
-            else:  # this chunk's MoE layers: their share of the step's auxiliary loss
-                h, stats = model.run_blocks_with_stats(x, pos, data.get("segment_ids"))
+                return model.run_blocks(x, pos, data.get("segment_ids")), None
+            return model.run_blocks_with_stats(x, pos, data.get("segment_ids"))
+
+        def padded_layers(rest_p, chunk, x, data, used):
+            """The chunk's layers one slot at a time, skipping the slots that hold none."""
+
+            def slot(h, xs):
+                params, on = xs
+                model = _stage_model(rest_p, jax.tree.map(lambda a: a[None], params), static)
+                shapes = jax.eval_shape(lambda: layers(model, h, data))
+                skip = lambda h: vary((h, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1])))  # noqa: E731
+                return jax.lax.cond(on, lambda h: vary(layers(model, h, data)), skip, h)
+
+            h, stats = jax.lax.scan(slot, x, (chunk, used))
+            return h, None if stats is None else jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+
+        def run(chunk, rest_p, x, data, first, last, used):
+            """One virtual stage: (input, or tokens if `first`) -> (output, (loss terms if `last`, MoE stats))."""
+            rest_p, chunk = policy.cast_to_compute(rest_p), policy.cast_to_compute(chunk)
+            model = _stage_model(rest_p, chunk, static)
+            x = jax.lax.cond(first, lambda: model.embed(data["tokens"], pos).astype(act), lambda: x)
+            h, stats = padded_layers(rest_p, chunk, x, data, used) if padded else layers(model, x, data)
+            extra = 0.0
+            if moe is not None:  # this chunk's MoE layers: their share of the step's auxiliary loss
                 extra = moe_loss(stats._replace(layers=jnp.float32(moe_layers)), moe,
                                  rows=rows_total, tokens=rows_total * seq_total)[0]
 
@@ -343,20 +402,20 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             terms = jax.lax.cond(last, loss_terms, lambda h: vary(no_terms), h)
             return h, vary((terms.at[0].add(extra), stats))  # varying like the cotangents `backward` gives
 
-        def idle(chunk, rest_p, x, dy, data, first, last):
+        def idle(chunk, rest_p, x, dy, data, first, last, used):
             zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
             return vary((zeros_act, zeros_act, *zeros, (no_terms, no_stats)))
 
-        def forward(chunk, rest_p, x, dy, data, first, last):
-            y, terms = run(chunk, rest_p, x, data, first, last)
+        def forward(chunk, rest_p, x, dy, data, first, last, used):
+            y, terms = run(chunk, rest_p, x, data, first, last, used)
             zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
             return vary((y.astype(act), zeros_act, *zeros, terms))
 
-        def backward(chunk, rest_p, x, dy, data, first, last):
+        def backward(chunk, rest_p, x, dy, data, first, last, used):
             # Recompute the stage from its saved input, then pull back: the gradient that
             # came from the next stage (none on the last virtual stage), and d(loss) = the
             # loss scale (1 unscaled): the last virtual stage's loss, every stage's MoE losses.
-            (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last), chunk, rest_p, x)
+            (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last, used), chunk, rest_p, x)
             cot_y = jnp.where(last, 0.0, dy).astype(y.dtype)
             cot_terms = (jnp.stack([scale, 0.0, 0.0]), jax.tree.map(jnp.zeros_like, terms[1]))
             d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
@@ -373,7 +432,7 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             x, dy = acts[row[ACT_READ]], grads_in[row[GRAD_READ]]
             g = c * p + stage  # the virtual stage
             send_f, send_b, d_chunk, d_rest, d_terms = jax.lax.switch(
-                row[OP], branches, chunk, rest, x, dy, data, g == 0, g == p * v - 1
+                row[OP], branches, chunk, rest, x, dy, data, g == 0, g == p * v - 1, slots[c]
             )
             g_blocks = jax.tree.map(lambda acc, u: acc.at[c].add(u), g_blocks, d_chunk)
             g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
@@ -402,7 +461,8 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
     rest_specs = jax.tree.map(lambda ba: ba.spec(), rest_axes)
     batch_spec = PartitionSpec(ROW_AXES, *seq_axes)
     return jax.shard_map(
-        step, mesh=mesh, in_specs=(block_specs, rest_specs, batch_spec, PartitionSpec(*seq_axes), PartitionSpec()),
+        step, mesh=mesh,
+        in_specs=(block_specs, PartitionSpec(PIPELINE), rest_specs, batch_spec, PartitionSpec(*seq_axes), PartitionSpec()),
         out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(manual),
     )
 
@@ -418,6 +478,7 @@ def pipeline_grad_fn(
     z_loss: float = 0.0,
     policy: Policy | None = None,
     context: Any = None,
+    layers_per_stage: tuple[int, ...] | str = "equal",
 ) -> PipelineGradFn:
     """A `grad_fn(model, batch) -> ((loss, aux), grads)` that runs a pipeline schedule.
 
@@ -438,6 +499,10 @@ def pipeline_grad_fn(
       once per step here and the model's `Attention` kernels are swapped for
       `ContextKernel`s for the step (already installed ones are fine; the caller's
       model is not changed).
+    - `layers_per_stage`: `"equal"` (the same number of layers on every virtual
+      stage), `"auto"` (`balance.balanced_layers`: the first and last stages
+      take fewer layers for the embedding and the head, by measured FLOPs), or a
+      count per virtual stage `chunk * p + stage`.
 
     **Returns:** the gradient function of a model that satisfies
     `eqgpt.nn.LanguageModel` and an `eqgpt.data.Batch` (without per-row
@@ -454,19 +519,24 @@ def pipeline_grad_fn(
                          f"{schedule.num_microbatches}; pass one or the other.")
     rules = None if rules is None else preset_rules(rules)
     check_pipeline(schedule.num_virtual_stages, mesh, schedule, context=context)  # mesh and schedule agree
-    return PipelineGradFn(mesh, schedule, rules, chunk_size, z_loss, Policy() if policy is None else policy, context)
+    if not isinstance(layers_per_stage, str):
+        layers_per_stage = tuple(int(n) for n in layers_per_stage)
+        check_layers(layers_per_stage, sum(layers_per_stage), schedule.num_virtual_stages)
+    return PipelineGradFn(mesh, schedule, rules, chunk_size, z_loss, Policy() if policy is None else policy, context,
+                          layers_per_stage)
 
 
 class PipelineGradFn:
     """The callable `pipeline_grad_fn` returns; also reports the schedule and compiled memory.
 
-    **Attributes:** `mesh`, `schedule`, `rules`, `policy`, `context`.
+    **Attributes:** `mesh`, `schedule`, `rules`, `policy`, `context`, `layers_per_stage`.
     """
 
     def __init__(self, mesh: Mesh, schedule: Schedule, rules: Rules | None, chunk_size: int, z_loss: float,
-                 policy: Policy, context: Any):
+                 policy: Policy, context: Any, layers_per_stage: tuple[int, ...] | str = "equal"):
         self.mesh, self.schedule, self.rules, self.policy, self.context = mesh, schedule, rules, policy, context
-        self.chunk_size, self.z_loss = chunk_size, z_loss
+        self.chunk_size, self.z_loss, self.layers_per_stage = chunk_size, z_loss, layers_per_stage
+        self._splits: dict[tuple, tuple[int, ...]] = {}
         self._jitted = eqx.filter_jit(self._grad)
 
     def __repr__(self) -> str:
@@ -493,11 +563,30 @@ class PipelineGradFn:
         return memory(self.compile(model, batch)).temp_bytes
 
     def report(self, model=None, batch: Batch | None = None) -> str:
-        """The bubble of the schedule, and with `model` and `batch` the compiled temp memory."""
+        """The bubble of the schedule, and with `model` and `batch` the layers per stage and the compiled temp memory."""
         line = bubble_report(self.schedule)
         if model is not None and batch is not None:
+            line += f"; layers per virtual stage {self.split(model, batch.tokens.shape)}"
             line += f"; temp memory {self.temp_bytes(model, batch) / 2**20:.2f} MiB per device"
         return line
+
+    def microbatch(self, batch_shape: tuple[int, int]) -> tuple[int, int]:
+        """The `(rows, seq)` one device runs per microbatch, of a global batch `batch_shape`."""
+        rows = math.prod(self.mesh.shape[a] for a in ROW_AXES) * self.schedule.num_microbatches
+        ctx = 1 if self.context is None else self.mesh.shape.get(self.context.axis, 1)
+        return batch_shape[0] // rows, batch_shape[1] // ctx
+
+    def split(self, model, batch_shape: tuple[int, int]) -> tuple[int, ...]:
+        """The layers of each virtual stage for `model` on a global batch `batch_shape` (`layers_per_stage` resolved)."""
+        L, G = num_layers(model), self.schedule.num_virtual_stages
+        if not isinstance(self.layers_per_stage, str):
+            return self.layers_per_stage
+        if self.layers_per_stage == "equal":
+            return equal_layers(L, G)
+        key = (L, self.microbatch(batch_shape))
+        if key not in self._splits:  # measured once per model size and batch shape
+            self._splits[key] = balanced_layers(measure_costs(model, key[1]), L, G)
+        return self._splits[key]
 
     def _grad(self, model, batch: Batch, loss_scale=None):
         mesh, schedule, ctx = self.mesh, self.schedule, self.context
@@ -505,7 +594,10 @@ class PipelineGradFn:
         check_language_model(model)
         fields = _batch_fields(batch)
         b, t = fields["tokens"].shape
-        check_pipeline(num_layers(model), mesh, schedule, b, context=ctx)
+        L, G = num_layers(model), schedule.num_virtual_stages
+        check_pipeline(L, mesh, schedule, b, context=ctx, layers_per_stage=self.layers_per_stage)
+        counts = self.split(model, (b, t))
+        padded = L % G != 0 or counts != equal_layers(L, G)
         layout = jax.tree.structure(eqx.filter(model, eqx.is_array))  # the caller's, hooks included
         param_dtypes = [a.dtype for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
         context_axis = None
@@ -530,10 +622,13 @@ class PipelineGradFn:
         moe = getattr(getattr(model, "config", None), "moe", None)
         moe_layers = 0 if moe is None else model.config.num_layers // moe.every
         step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
-                          width=width, policy=self.policy, context_axis=context_axis, moe=moe, moe_layers=moe_layers)
-        staged = jax.tree.map(lambda a: to_stages(a, p, v), blocks)
-        (terms, stats), g_blocks, g_rest = step(staged, rest, fields, positions, scale_value(loss_scale))
-        grads = _with_blocks(g_rest, jax.tree.map(from_stages, g_blocks))
+                          width=width, policy=self.policy, context_axis=context_axis, moe=moe, moe_layers=moe_layers,
+                          padded=padded)
+        stage_counts = counts if padded else None
+        slots = jnp.asarray(stage_slots(p, v, counts))
+        staged = jax.tree.map(lambda a: to_stages(a, p, v, stage_counts), blocks)
+        (terms, stats), g_blocks, g_rest = step(staged, slots, rest, fields, positions, scale_value(loss_scale))
+        grads = _with_blocks(g_rest, jax.tree.map(lambda g: from_stages(g, stage_counts), g_blocks))
         leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
         aux = {"nll": terms[1], "z_loss": terms[2]}
         if moe is not None:
@@ -564,4 +659,5 @@ def bubble_report(schedule: Schedule) -> str:
             f"{schedule.num_ticks * schedule.num_stages} stage-ticks; formula {schedule.expected_bubble:.3f})")
 
 
-__all__ = ["pipeline_grad_fn", "PipelineGradFn", "check_pipeline", "bubble_report", "PP", "to_stages", "from_stages"]
+__all__ = ["pipeline_grad_fn", "PipelineGradFn", "check_pipeline", "bubble_report", "PP", "to_stages", "from_stages",
+           "stage_slots"]
