@@ -51,3 +51,11 @@ def test_gpu_mfu_script_runs_on_cpu_when_asked(capsys):
                                  "--batch", "2", "--steps", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
     assert "MFU" in out and "step time" in out and "final loss" in out
+
+
+def test_pipeline_balance_prints_equal_and_balanced_stages(capsys):
+    assert load("pipeline_balance").main(["--preset", "nano", "--stages", "2", "--seq", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["split", "row", "stage", "0", "stage", "1", "slowest"]
+    assert lines[2].split()[:2] == ["equal", "layers"] and lines[4].split()[:2] == ["auto", "layers"]
+    assert sum(map(int, lines[4].split()[2:])) == 4  # nano's 4 layers, on the balanced split too
