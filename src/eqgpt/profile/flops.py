@@ -7,6 +7,7 @@ causal attention's scores and weighted sum (half of the dense `12 * L * T * D`).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -53,10 +54,12 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> 
     return tokens_per_second * flops_per_token / peak_flops
 
 
+@functools.cache
 def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
     """FLOP/s of one large `jnp.dot` on the default device (median of `repeats`).
 
     The practical ceiling of a CPU: there is no table of CPU peaks worth trusting.
+    Measured once per process (a second run in the same process reuses it).
     """
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     dot = jax.jit(jnp.dot)
