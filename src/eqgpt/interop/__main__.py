@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--to", required=True, type=Path, help="output directory")
     ex.add_argument("--step", type=int, default=None, help="export this Orbax checkpoint step")
     ex.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN/checkpoints")
-    ex.add_argument("--format", choices=("auto", "gpt2", "llama"), default="auto", help="layout (default: the model's)")
+    ex.add_argument("--format", choices=("auto", "gpt2", "llama", "mixtral"), default="auto", help="layout (default: the model's)")
     im = sub.add_parser("import", help="a Hugging Face directory -> a run directory recipes/sample.py reads")
     im.add_argument("--from", dest="source", required=True, type=Path, help="config.json + model.safetensors")
     im.add_argument("--to", required=True, type=Path, help="output run directory")

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: GPT-2 (and Llama) weights via safetensors.
+"""Hugging Face checkpoints in and out: GPT-2, Llama and Mixtral weights via safetensors.
 
 The files are those `transformers` writes with `save_pretrained`: `config.json`
 and `model.safetensors` (or shards listed in `model.safetensors.index.json`).
@@ -14,6 +14,14 @@ head is tied to `wte` (GPT-2 saves no `lm_head.weight`); an untied config reads
 **Llama** (`LlamaForCausalLM`): RMSNorm, SwiGLU, RoPE in the rotate-half form eqgpt
 uses, grouped kv heads, no biases; every projection is an `nn.Linear` (`[out, in]`),
 transposed on the way in and out.
+
+**Mixtral** (`MixtralForCausalLM`): Llama's attention and norms with a sparse MoE
+feed-forward in every layer. The router `block_sparse_moe.gate` (`[experts, D]`)
+is eqgpt's `mlp.router`; expert `j`'s `w1` (gate), `w3` (up) and `w2` (down) are
+slice `j` of eqgpt's stacked `mlp.experts.gate`, `.up` and `.down`, each
+transposed. Both route alike: softmax over the experts in fp32, top-k, the k
+weights renormalised to sum to 1. A loaded Mixtral is *dropless* (as
+`transformers` computes every assignment); set a capacity afterwards to train with one.
 
 Everything about a file is checked from its JSON config and the safetensors
 headers *before* any array is allocated: missing files, an architecture eqgpt
@@ -43,7 +51,8 @@ import numpy as np
 from eqgpt.config import GPTConfig
 from eqgpt.nn.gpt import GPT
 
-Family = Literal["gpt2", "llama"]
+Family = Literal["gpt2", "llama", "mixtral"]
+FAMILIES: tuple[Family, ...] = ("gpt2", "llama", "mixtral")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,7 +75,8 @@ class TensorMap:
     `hf` (the tensor name, `{i}` standing for the layer), `layered` (one HF tensor per
     layer, stacked on eqgpt's leading `layers` axis), `part` (`(start, stop)` along the
     HF tensor's last axis: the slice of a fused tensor), `transpose` (HF stores the
-    transpose: `nn.Linear`'s `[out, in]`).
+    transpose: `nn.Linear`'s `[out, in]`), `experts` (one HF tensor per expert too,
+    `{j}` in the name, stacked on eqgpt's `experts` axis after the layers).
     """
 
     eqgpt: str
@@ -74,6 +84,18 @@ class TensorMap:
     layered: bool = False
     part: tuple[int, int] | None = None
     transpose: bool = False
+    experts: bool = False
+
+    @property
+    def stacked(self) -> int:
+        """Leading eqgpt axes that index HF tensors (layers, experts) rather than their elements."""
+        return int(self.layered) + int(self.experts)
+
+    def names(self, c: GPTConfig) -> list[tuple[tuple[int, ...], str]]:
+        """`(index on the stacked axes, HF name)` of every HF tensor this array spans."""
+        layers = range(c.num_layers) if self.layered else [None]
+        experts = range(c.moe.num_experts) if self.experts else [None]
+        return [(tuple(k for k in (i, j) if k is not None), self.hf.format(i=i, j=j)) for i in layers for j in experts]
 
 
 def gpt2_layout(c: GPTConfig) -> list[TensorMap]:
@@ -106,8 +128,18 @@ def llama_layout(c: GPTConfig) -> list[TensorMap]:
     return out
 
 
+def mixtral_layout(c: GPTConfig) -> list[TensorMap]:
+    """The Mixtral names of every array of a Mixtral-shaped `GPTConfig` (Llama's, with an MoE MLP)."""
+    moe = "model.layers.{i}.block_sparse_moe"
+    out = [t for t in llama_layout(c) if not t.eqgpt.startswith("blocks.mlp.")]
+    out.append(TensorMap("blocks.mlp.router.weight", f"{moe}.gate.weight", layered=True, transpose=True))
+    out += [TensorMap(f"blocks.mlp.experts.{eq}", f"{moe}.experts.{{j}}.{hf}.weight", layered=True, transpose=True,
+                      experts=True) for eq, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2"))]
+    return out
+
+
 def _layout(c: GPTConfig, family: Family) -> list[TensorMap]:
-    return gpt2_layout(c) if family == "gpt2" else llama_layout(c)
+    return {"gpt2": gpt2_layout, "llama": llama_layout, "mixtral": mixtral_layout}[family](c)
 
 
 # ------------------------------------------------------------------------------------ configs
@@ -121,28 +153,41 @@ def _fits(c: GPTConfig, family: Family) -> list[str]:
     bad = [f"{k}={getattr(c, k)!r} (it has {v!r})" for k, v in want.items() if getattr(c, k) != v]
     if family == "gpt2" and c.kv_heads != c.num_heads:
         bad.append(f"num_kv_heads={c.num_kv_heads} (GPT-2 has as many kv heads as query heads)")
+    if family != "mixtral" and c.moe is not None:
+        bad.append("moe (MoE layers: Mixtral's layout holds them)")
+    if family == "mixtral":
+        m = c.moe
+        if m is None:
+            bad.append("moe=None (every Mixtral layer is MoE)")
+        else:
+            bad += [f"moe.{k}={getattr(m, k)!r} (Mixtral has {v!r})" for k, v in
+                    dict(every=1, num_shared=0, renormalize=True).items() if getattr(m, k) != v]
+            if m.expert_dim not in (None, c.hidden_dim):
+                bad.append(f"moe.expert_dim={m.expert_dim} (Mixtral's experts are intermediate_size = mlp_dim wide)")
     return bad
 
 
 def family_of(c: GPTConfig) -> Family:
     """`"gpt2"` or `"llama"`: the Hugging Face layout that holds `c`; `ValueError` if neither does."""
-    for family in ("gpt2", "llama"):
+    for family in FAMILIES:
         if not _fits(c, family):
             return family
     raise ValueError(
-        "this model fits neither Hugging Face layout eqgpt writes. GPT-2's cannot hold "
-        + ", ".join(_fits(c, "gpt2")) + "; Llama's cannot hold " + ", ".join(_fits(c, "llama")) + "."
+        "this model fits no Hugging Face layout eqgpt writes. "
+        + "; ".join(f"{_NAMES[f]}'s cannot hold " + ", ".join(_fits(c, f)) for f in FAMILIES) + "."
     )
+
+
+_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "mixtral": "Mixtral"}
 
 
 def _check_fits(c: GPTConfig, family: Family) -> None:
     bad = _fits(c, family)
     if bad:
-        other = "llama" if family == "gpt2" else "gpt2"
-        hint = (f" It is {other.capitalize()}-style: use save_hf_{other} (export --format {other})."
-                if not _fits(c, other) else "")
-        name = "GPT-2" if family == "gpt2" else "Llama"
-        raise ValueError(f"{name}'s Hugging Face layout cannot hold this model: " + "; ".join(bad) + "." + hint)
+        other = next((f for f in FAMILIES if f != family and not _fits(c, f)), None)
+        hint = f" It is {_NAMES[other]}-style: use save_hf_{other} (export --format {other})." if other else ""
+        raise ValueError(f"{_NAMES[family]}'s Hugging Face layout cannot hold this model: " + "; ".join(bad) + "."
+                         + hint)
 
 
 def gpt2_hf_config(c: GPTConfig, *, eos_id: int | None = None) -> dict:
@@ -174,6 +219,18 @@ def llama_hf_config(c: GPTConfig, *, eos_id: int | None = None) -> dict:
         "initializer_range": c.init_std, "bos_token_id": eos_id, "eos_token_id": eos_id,
         "use_cache": True, "dtype": "float32",
     }
+
+
+def mixtral_hf_config(c: GPTConfig, *, eos_id: int | None = None) -> dict:
+    """`config.json` of `transformers.MixtralConfig` for a Mixtral-shaped `GPTConfig`."""
+    _check_fits(c, "mixtral")
+    llama = llama_hf_config(c.replace(moe=None), eos_id=eos_id)
+    drop = ("mlp_bias", "attention_bias", "head_dim")
+    return {**{k: v for k, v in llama.items() if k not in drop},
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "head_dim": c.head_dim,
+            "num_local_experts": c.moe.num_experts, "num_experts_per_tok": c.moe.top_k,
+            "router_aux_loss_coef": c.moe.aux_loss_weight, "output_router_logits": False,
+            "router_jitter_noise": 0.0, "sliding_window": None}
 
 
 def _require(hf: Mapping, key: str, where: str) -> Any:
@@ -209,6 +266,22 @@ def config_from_hf(hf: Mapping, where: str = "config.json") -> tuple[GPTConfig, 
         if c.mlp_dim == 4 * c.embed_dim:
             c = c.replace(mlp_dim=None)
         return c, "gpt2"
+    if kind == "mixtral":
+        bad = []
+        if hf.get("sliding_window") is not None:
+            bad.append(f"sliding_window={hf['sliding_window']} (eqgpt reads Mixtral with full causal attention)")
+        if hf.get("router_jitter_noise"):
+            bad.append(f"router_jitter_noise={hf['router_jitter_noise']} (eqgpt's router has no jitter)")
+        if bad:
+            raise ValueError(f"{where}: unsupported Mixtral options: " + "; ".join(bad) + ".")
+        c, _ = config_from_hf({**hf, "model_type": "llama"}, where)
+        from eqgpt.config import MoEConfig
+
+        r = lambda k: _require(hf, k, where)  # noqa: E731
+        moe = MoEConfig(num_experts=r("num_local_experts"), top_k=r("num_experts_per_tok"), dropless=True,
+                        renormalize=True, aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.01)),
+                        router_z_weight=0.0)
+        return c.replace(moe=moe), "mixtral"
     if kind == "llama":
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -233,7 +306,7 @@ def config_from_hf(hf: Mapping, where: str = "config.json") -> tuple[GPTConfig, 
                       init_std=float(hf.get("initializer_range", 0.02)))
         return c, "llama"
     raise ValueError(f"{where}: model_type {kind!r} (architectures {hf.get('architectures')}) is not supported; "
-                     "eqgpt reads GPT-2 ('gpt2') and Llama ('llama') checkpoints.")
+                     "eqgpt reads GPT-2 ('gpt2'), Llama ('llama') and Mixtral ('mixtral') checkpoints.")
 
 
 # ------------------------------------------------------------------------------------ files
@@ -309,14 +382,14 @@ def _expected(c: GPTConfig, family: Family) -> dict[str, tuple[int, ...]]:
     shapes = _leaf_shapes(abstract)
     out: dict[str, tuple[int, ...]] = {}
     for t in _layout(c, family):
-        shape = shapes[t.eqgpt][1:] if t.layered else shapes[t.eqgpt]
+        shape = shapes[t.eqgpt][t.stacked:]
         if t.transpose:
             shape = shape[::-1]
         if t.part is not None:
             total = 3 * shape[-1]  # fused q/k/v (GPT-2's c_attn)
             shape = (*shape[:-1], total)
-        for i in range(c.num_layers) if t.layered else [None]:
-            out[t.hf.format(i=i)] = shape
+        for _, name in t.names(c):
+            out[name] = shape
     return out
 
 
@@ -376,12 +449,11 @@ def _reader(files: SafetensorsFiles, t: TensorMap, prefix: str, dtype) -> Callab
         x = files.read(name, hf_index(idx, shape))
         return np.asarray(x.T if t.transpose else x, dtype)
 
-    def callback(index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
-        if not t.layered:
-            return read_one(prefix + t.hf, index, shape)
-        layers = range(shape[0])[index[0] if index else slice(None)]
-        rest = tuple(index[1:])
-        return np.stack([read_one(prefix + t.hf.format(i=i), rest, shape[1:]) for i in layers])
+    def callback(index: tuple[slice, ...], shape: tuple[int, ...], keys: tuple[int, ...] = ()) -> np.ndarray:
+        if len(keys) == t.stacked:  # one HF tensor (its layer and expert, if any, are `keys`)
+            return read_one(prefix + t.hf.format(**dict(zip("ij", keys))), tuple(index), shape)
+        rows = range(shape[0])[index[0] if index else slice(None)]
+        return np.stack([callback(tuple(index[1:]), shape[1:], (*keys, k)) for k in rows])
 
     return callback
 
@@ -488,11 +560,10 @@ def hf_tensors(model: GPT, family: Family | None = None, dtype=np.float32) -> di
     prefix = "transformer." if family == "gpt2" else ""
     for t in _layout(c, family):
         x = arrays[t.eqgpt]
-        name = t.hf if t.hf.startswith("lm_head") else prefix + t.hf
-        for i in range(c.num_layers) if t.layered else [None]:
-            part = x[i] if t.layered else x
+        for keys, hf_name in t.names(c):
+            part = x[keys]
             part = part.T if t.transpose else part
-            key = name.format(i=i)
+            key = hf_name if hf_name.startswith("lm_head") else prefix + hf_name
             if t.part is None:
                 out[key] = part
             else:
@@ -526,7 +597,7 @@ def save_hf(model: GPT, directory: str | Path, *, tokenizer=None, family: Family
         return out / WEIGHTS_FILE
     out.mkdir(parents=True, exist_ok=True)
     eos = None if tokenizer is None else tokenizer.eos_id
-    hf_config = gpt2_hf_config(c, eos_id=eos) if family == "gpt2" else llama_hf_config(c, eos_id=eos)
+    hf_config = {"gpt2": gpt2_hf_config, "llama": llama_hf_config, "mixtral": mixtral_hf_config}[family](c, eos_id=eos)
     hf_config["dtype"] = np.dtype(dtype).name
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
@@ -555,12 +626,24 @@ def save_hf_llama(model: GPT, directory: str | Path, *, tokenizer=None, dtype=np
     return save_hf(model, directory, tokenizer=tokenizer, family="llama", dtype=dtype)
 
 
+def load_hf_mixtral(path: str | Path, *, strategy=None, dtype=jnp.float32,
+                    config: GPTConfig | None = None) -> tuple[GPTConfig, GPT]:
+    """A `transformers` `MixtralForCausalLM` checkpoint as an eqgpt `GPT` with MoE layers (see `load_hf`)."""
+    return load_hf(path, strategy=strategy, dtype=dtype, config=config, family="mixtral")
+
+
+def save_hf_mixtral(model: GPT, directory: str | Path, *, tokenizer=None, dtype=np.float32) -> Path:
+    """Write a Mixtral-shaped `model` (Llama-style, MoE in every layer) as a `MixtralForCausalLM` checkpoint."""
+    return save_hf(model, directory, tokenizer=tokenizer, family="mixtral", dtype=dtype)
+
+
 def num_bytes(config: GPTConfig, dtype=np.float32) -> int:
     """Bytes of a model's parameters in `dtype` (for messages and tests)."""
     abstract = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
     return sum(math.prod(s) for s in _leaf_shapes(abstract).values()) * np.dtype(dtype).itemsize
 
 
-__all__ = ["load_hf", "load_hf_gpt2", "load_hf_llama", "save_hf", "save_hf_gpt2", "save_hf_llama",
-           "config_from_hf", "gpt2_hf_config", "llama_hf_config", "family_of", "hf_tensors", "check_files",
-           "SafetensorsFiles", "TensorMap", "gpt2_layout", "llama_layout"]
+__all__ = ["load_hf", "load_hf_gpt2", "load_hf_llama", "load_hf_mixtral", "save_hf", "save_hf_gpt2", "save_hf_llama",
+           "save_hf_mixtral", "config_from_hf", "gpt2_hf_config", "llama_hf_config", "mixtral_hf_config", "family_of",
+           "hf_tensors", "check_files", "SafetensorsFiles", "TensorMap", "gpt2_layout", "llama_layout",
+           "mixtral_layout"]
