@@ -20,6 +20,11 @@ three branches whatever the schedule. The loss is added only on the last
 virtual stage (an MoE layer's auxiliary losses on the stage that runs it) and
 summed over stages once, after the loop.
 
+Uneven stages (`layers_per_stage`, see `balance`): every chunk holds as many
+layer slots as the largest, its own layers first; a chunk then runs its slots one
+at a time, each under a `lax.cond` on whether the slot holds a layer, so padding
+computes nothing. With the equal split the chunk runs `run_blocks` whole.
+
 After the branch, two `ppermute`s move the outgoing activation one stage forward
 and the outgoing gradient one stage back (around the ring when stages hold
 several chunks); the receiver stores each in the slot the lowering chose.
