@@ -73,11 +73,8 @@ def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]
     the compiled programs this worker has accumulated: XLA:CPU in jax 0.12 has crashed compiling
     in a long-lived test process what compiles fine in a new one); **returns** its logged losses."""
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
-    # Every run here is compared with other runs of this file only, all compiled alike: at XLA:CPU's
-    # backend optimisation level 0 (the HLO, its sharding and its collectives unchanged) they
-    # compile about a quarter faster.
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES, "XLA_FLAGS": flags}
+    # XLA_FLAGS comes from conftest.py: every compile at XLA:CPU's backend optimisation level 0.
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES}
     proc = subprocess.run([sys.executable, str(RECIPE_PATH), *args], env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, f"train_gpt.py {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
