@@ -8,7 +8,7 @@ logged steps after the first), and, for the MoE model, the drop rate and the bus
 expert's load over the mean (1.0 is balanced), both averaged over the last quarter of
 the run.
 
-Run: `python benchmarks/moe_vs_dense.py [--steps 300] [--presets nano moe-nano]`.
+Run: `python benchmarks/moe_vs_dense.py [--steps 800] [--presets nano moe-nano]`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def run(preset: str, steps: int, out: Path, cache: Path, extra: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=800, help="the recipe's default")
     p.add_argument("--presets", nargs="+", default=["nano", "moe-nano"])
     p.add_argument("--batch-size", type=int, default=32)
     args = p.parse_args(argv)
