@@ -646,8 +646,9 @@ _LOGGED: set[str] = set()
 
 
 def _in_stage(ctx):
-    """The context config a pipeline stage runs: all-gather attention (see the module docstring)."""
-    if ctx.impl == "allgather":
+    """The context config a pipeline stage runs: all-gather for ring (see the module docstring);
+    all-gather and Ulysses as they are (their groups are one stage's context peers)."""
+    if ctx.impl in ("allgather", "ulysses"):
         return ctx
     if ctx.impl not in _LOGGED:
         _LOGGED.add(ctx.impl)
