@@ -37,12 +37,12 @@ from eqgpt.parallel.context.model import (
     use_context_attention,
 )
 from eqgpt.parallel.context.ring import ring_attention, ring_attention_with_lse, shard_may_attend
-from eqgpt.parallel.context.ulysses import kv_replication, ulysses_attention, ulysses_bytes
+from eqgpt.parallel.context.ulysses import kv_replication, reads_positions, ulysses_attention, ulysses_bytes
 
 __all__ = [
     "ContextKernel", "ContextConfig", "IMPLS", "use_context_attention", "strip_context_attention",
     "context_kernels", "ring_attention", "ring_attention_with_lse", "shard_may_attend",
-    "allgather_attention", "ulysses_attention", "ulysses_bytes", "kv_replication", "ORDERINGS", "check_layout", "layout_positions", "device_positions",
+    "allgather_attention", "ulysses_attention", "ulysses_bytes", "kv_replication", "reads_positions", "ORDERINGS", "check_layout", "layout_positions", "device_positions",
     "to_layout", "from_layout", "layout_batch", "CP", "context_rules",
     "sharded_cross_entropy", "context_loss_fn", "block_counts", "step_counts",
     "balance_table",

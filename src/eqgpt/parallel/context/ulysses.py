@@ -9,9 +9,12 @@ q, k, v  [b, T/n, h, d]  --all-to-all (split heads, join sequence)-->  [b, T, h/
 out      [b, T, h/n, d]  --all-to-all (split sequence, join heads)-->  [b, T/n, h, d]
 ```
 
-Positions and segment ids are all-gathered (integers, `4 T` bytes a row); the
-gathered sequence is put into natural order before the kernel and back after, so
-any kernel sees contiguous positions, whatever the layout (zigzag or contiguous).
+Positions and segment ids are all-gathered (integers, `4 T` bytes a row). The
+built-in `reference` and `blockwise` kernels read positions, so they run on the
+gathered sequence in layout order; any other kernel (`cudnn`, which takes the
+sequence index for the position, or a user's) gets the sequence sorted into natural
+order and its output sorted back (copies of `q, k, v` and the output, and their
+gradients: memory, no communication).
 
 Every device computes attention of *all* `T` queries over all `T` keys for its
 `h/n` heads: the same work on every device whatever the mask, so Ulysses needs no
@@ -31,6 +34,7 @@ all-to-all with the dimensions swapped: the backward moves the same bytes again.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -82,6 +86,13 @@ def _natural(x, order, dim: int = 1):
     return None if x is None else jnp.take(x, order, axis=dim)
 
 
+def reads_positions(kernel: str | Kernel) -> bool:
+    """Whether `kernel` masks by the positions it is given, in any order (the built-in
+    `reference` and `blockwise`, by name, function or `functools.partial`)."""
+    base = kernel.func if isinstance(kernel, functools.partial) else kernel
+    return base in ("reference", "blockwise") or base in (get_kernel("reference"), get_kernel("blockwise"))
+
+
 def ulysses_attention(
     q: Float[Array, "b t h d"],
     k: Float[Array, "b t g d"],
@@ -115,14 +126,18 @@ def ulysses_attention(
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     gather = lambda x, dim: None if x is None else all_gather(x, axis, dim=dim)  # noqa: E731
     q_pos, k_pos, q_seg, k_seg = gather(q_pos, 0), gather(k_pos, 0), gather(q_seg, 1), gather(k_seg, 1)
-    q_order, k_order = jnp.argsort(q_pos), jnp.argsort(k_pos)  # the layout undone: natural order
-    out = get_kernel(kernel)(
-        _natural(q, q_order), _natural(k, k_order), _natural(v, k_order), mask=mask,
-        q_pos=q_pos[q_order], k_pos=k_pos[k_order], q_seg=_natural(q_seg, q_order),
-        k_seg=_natural(k_seg, k_order), scale=scale,
-    )
-    out = _natural(out, jnp.argsort(q_order))  # back into the layout
+    if reads_positions(kernel):
+        out = get_kernel(kernel)(q, k, v, mask=mask, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg,
+                                 scale=scale)
+    else:  # the layout undone: natural order
+        q_order, k_order = jnp.argsort(q_pos), jnp.argsort(k_pos)
+        out = get_kernel(kernel)(
+            _natural(q, q_order), _natural(k, k_order), _natural(v, k_order), mask=mask,
+            q_pos=q_pos[q_order], k_pos=k_pos[k_order], q_seg=_natural(q_seg, q_order),
+            k_seg=_natural(k_seg, k_order), scale=scale,
+        )
+        out = _natural(out, jnp.argsort(q_order))  # back into the layout
     return all_to_all(out, axis, split_dim=1, concat_dim=2)
 
 
-__all__ = ["ulysses_attention", "ulysses_bytes", "kv_replication"]
+__all__ = ["ulysses_attention", "ulysses_bytes", "kv_replication", "reads_positions"]
