@@ -1,4 +1,4 @@
-"""Ulysses attention: sequence-sharded to head-sharded and back, with two all-to-alls.
+"""Ulysses attention: sequence-sharded to head-sharded and back, by all-to-alls over the context axis.
 
 Runs inside `jax.shard_map` over the context axis, on the local shards
 `q: [b, T/n, h, d]`, `k, v: [b, T/n, g, d]`. With `n` devices on the axis:
