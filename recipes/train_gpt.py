@@ -158,8 +158,8 @@ class TrainConfig:
     """Layer chunks per pipeline device (interleaved schedule)."""
     pipeline_layers: str = "equal"
     """Layers per pipeline stage: 'equal', 'auto' (balanced by measured FLOPs: the embedding and head stages take fewer) or counts per virtual stage, e.g. '4,4,4,0'."""
-    context: Literal["ring", "allgather"] | None = None
-    """Split the sequence over the mesh's 'context' axis (zigzag order) with ring or all-gather attention."""
+    context: Literal["ring", "allgather", "ulysses"] | None = None
+    """Split the sequence over the mesh's 'context' axis (zigzag order) with ring, all-gather or Ulysses (all-to-all; heads divisible by context) attention."""
     expert: Literal["alltoall", "gspmd"] | None = None
     """MoE experts over the mesh's 'expert' axis: 'alltoall' (default: explicit dispatch and combine) or 'gspmd' (the partitioner moves the tokens); see docs/parallelism/expert.md."""
     manual: bool = False

@@ -1,4 +1,4 @@
-"""Ring and all-gather attention equal the single-device reference; work balance; memory.
+"""Ring, all-gather and Ulysses attention equal the single-device reference; work balance; memory.
 
 Kernel programs are compiled once per (devices, kernel, mask class) and run for
 both orderings and for inputs with and without documents: the layout only
@@ -68,14 +68,24 @@ def _reference(mask_name: str):
     return {name: compiled(q, k, v, ct, jnp.arange(T), seg) for name, seg in segs.items()}
 
 
+def _index_positions(q, k, v, *, mask, q_pos, k_pos, **kw):
+    """A kernel that, like cuDNN's, takes each token's sequence index for its position."""
+    return reference_attention(q, k, v, mask=mask, q_pos=jnp.arange(q.shape[1]), k_pos=jnp.arange(k.shape[1]), **kw)
+
+
+# Ulysses splits the 4 heads: on 4 devices (its 2 kv heads replicated), not on 8. Around the
+# blockwise kernel it keeps the layout; around a kernel blind to positions it sorts the sequence.
+ULYSSES = {"ulysses": "blockwise", "ulysses sorted": _index_positions}
+
+
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
-@pytest.mark.parametrize("impl", ["ring", "allgather"])
-@pytest.mark.parametrize("n", sorted(MESHES))
+@pytest.mark.parametrize("n, impl", [(n, i) for n in sorted(MESHES) for i in ("ring", "allgather")]
+                         + [(4, u) for u in ULYSSES])
 def test_context_attention_matches_reference(n, impl, mask_name):
     """Forward and d/dq, d/dk, d/dv, fp32, both orderings, with documents crossing shards."""
     mesh = make_mesh(MESHES[n])
     q, k, v, ct, segs = _inputs()
-    kernel = ContextKernel(mesh, impl, block_q=BLOCK, block_k=BLOCK)
+    kernel = ContextKernel(mesh, impl.split()[0], block_q=BLOCK, block_k=BLOCK, replaces=ULYSSES.get(impl, "reference"))
     program = _grad_program(kernel, MASKS[mask_name])
     compiled = None
     for ordering in ("zigzag", "contiguous"):

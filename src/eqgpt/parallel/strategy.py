@@ -174,7 +174,7 @@ class Strategy:
         **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
         `rules` (presets joined by `+`), `pipeline` (a schedule name or `None`),
         `microbatches`, `virtual_stages`, `pipeline_layers` ("equal", "auto" or counts
-        such as "4,4,4,0"), `context` ("ring", "allgather" or `None`),
+        such as "4,4,4,0"), `context` ("ring", "allgather", "ulysses" or `None`),
         `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`,
         `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis).
         """

@@ -1,7 +1,8 @@
 """Context parallelism: the sequence split over the `context` mesh axis.
 
 - `layout`: zigzag / contiguous orderings of the sequence, applied once to a batch.
-- `ring`, `allgather`: exact attention inside `shard_map` (k/v rotate, or are gathered).
+- `ring`, `allgather`, `ulysses`: exact attention inside `shard_map` (k/v rotate, are
+  gathered, or all-to-alls make the shards head-sharded for the local kernel).
 - `kernel`: `ContextKernel`, either one behind the ordinary kernel signature, and
   `ContextConfig`, context parallelism as a `Strategy` ingredient.
 - `model`: `use_context_attention` swaps it in as the attention modules' kernel
@@ -36,11 +37,12 @@ from eqgpt.parallel.context.model import (
     use_context_attention,
 )
 from eqgpt.parallel.context.ring import ring_attention, ring_attention_with_lse, shard_may_attend
+from eqgpt.parallel.context.ulysses import kv_replication, reads_positions, ulysses_attention, ulysses_bytes
 
 __all__ = [
     "ContextKernel", "ContextConfig", "IMPLS", "use_context_attention", "strip_context_attention",
     "context_kernels", "ring_attention", "ring_attention_with_lse", "shard_may_attend",
-    "allgather_attention", "ORDERINGS", "check_layout", "layout_positions", "device_positions",
+    "allgather_attention", "ulysses_attention", "ulysses_bytes", "kv_replication", "reads_positions", "ORDERINGS", "check_layout", "layout_positions", "device_positions",
     "to_layout", "from_layout", "layout_batch", "CP", "context_rules",
     "sharded_cross_entropy", "context_loss_fn", "block_counts", "step_counts",
     "balance_table",

@@ -1,4 +1,4 @@
-"""`ContextKernel`: ring or all-gather attention behind the ordinary kernel signature.
+"""`ContextKernel`: ring, all-gather or Ulysses attention behind the ordinary kernel signature.
 
 A `ContextKernel` is called like every kernel of `eqgpt.nn.kernels`, on global
 arrays `q: [b, T, h, d]`, `k, v: [b, T, g, d]` and global positions `[T]` (in
@@ -12,12 +12,13 @@ with context parallelism without any code here knowing about them.
 
 Called where the context axis is *already* manual (inside a `shard_map` over it,
 as the pipeline runs its stages), the arrays are the local shards and their
-positions, and the kernel runs the per-device ring / all-gather directly. On an
+positions, and the kernel runs the per-device ring / all-gather / Ulysses directly. On an
 axis of size 1 it calls the kernel it replaced: there is nothing to split.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,18 +34,20 @@ from eqgpt.nn.kernels import get_kernel
 from eqgpt.nn.mask import Mask
 from eqgpt.parallel.context.allgather import allgather_attention
 from eqgpt.parallel.context.ring import ring_attention
+from eqgpt.parallel.context.ulysses import ulysses_attention
 
-Impl = Literal["ring", "allgather"]
-IMPLS: tuple[str, ...] = ("ring", "allgather")
+Impl = Literal["ring", "allgather", "ulysses"]
+IMPLS: tuple[str, ...] = ("ring", "allgather", "ulysses")
 
 
 @dataclass(frozen=True)
 class ContextConfig:
     """Context parallelism as a `Strategy` ingredient.
 
-    **Fields:** `impl` ("ring" or "allgather"), `ordering` of the sequence over the
-    devices ("zigzag" balances causal work; "contiguous"), `block` (tile size of the
-    blockwise kernel on each device; smaller when a device holds fewer tokens),
+    **Fields:** `impl` ("ring", "allgather" or "ulysses"), `ordering` of the sequence
+    over the devices ("zigzag" balances causal work for ring and all-gather;
+    "contiguous"; Ulysses needs neither), `block` (tile size of the blockwise kernel
+    on each device, ring and all-gather; smaller when a device holds fewer tokens),
     `axis` (the mesh axis the sequence is split over).
     """
 
@@ -68,14 +71,21 @@ class ContextKernel(eqx.Module):
     **Arguments:**
 
     - `mesh`: the device mesh (from `eqgpt.parallel.make_mesh`).
-    - `impl`: `"ring"` (k/v shards rotate with `ppermute`) or `"allgather"` (k/v
-      gathered once; see `docs/parallelism/context.md` for which to choose).
+    - `impl`: `"ring"` (k/v shards rotate with `ppermute`), `"allgather"` (k/v
+      gathered once) or `"ulysses"` (all-to-all to head-sharded, the replaced kernel
+      on the whole sequence of `heads/n` heads, all-to-all back); see
+      `docs/parallelism/context.md` for which to choose.
     - `axis`: the mesh axis the sequence is split over.
-    - `block_q`, `block_k`: tile sizes of the blockwise kernel on each device.
+    - `block_q`, `block_k`: tile sizes of the blockwise kernel on each device (ring
+      and all-gather; Ulysses runs the replaced kernel as it is).
     - `q_chunks`: ring only: query chunks per shard and ring step (see `ring_attention`);
       `None` picks the largest of 4, 2, 1 that divides the shard into chunks of at
       least `block_q` rows.
     - `replaces`: the kernel it stands in for (restored by `strip_context_attention`).
+    - `batch_axes`: Ulysses only: mesh axes the batch is split over (the rule set's
+      `batch` axes). They join the `shard_map`'s manual axes, so each device exchanges
+      its own rows: left to the partitioner, the batch dimension of an all-to-all
+      inside a partly manual `shard_map` is gathered first.
 
     Tiles never exceed half a device's shard (one zigzag chunk).
     """
@@ -87,10 +97,11 @@ class ContextKernel(eqx.Module):
     block_k: int = eqx.field(static=True)
     q_chunks: int | None = eqx.field(static=True)
     replaces: str | Callable = eqx.field(static=True)
+    batch_axes: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(self, mesh: Mesh, impl: Impl = "ring", *, axis: str = "context",
                  block_q: int = 128, block_k: int = 128, q_chunks: int | None = None,
-                 replaces: str | Callable = "reference"):
+                 replaces: str | Callable = "reference", batch_axes: tuple[str, ...] = ()):
         if impl not in IMPLS:
             raise ValueError(f"unknown context attention {impl!r}; choose one of {IMPLS}.")
         if axis not in mesh.shape:
@@ -102,6 +113,10 @@ class ContextKernel(eqx.Module):
             raise ValueError(f"q_chunks must be >= 1 (or None: automatic), got {q_chunks}.")
         self.block_q, self.block_k, self.q_chunks = block_q, block_k, q_chunks
         self.replaces = replaces
+        unknown = [a for a in batch_axes if a not in mesh.shape or a == axis]
+        if unknown:
+            raise ValueError(f"batch_axes {unknown} are not mesh axes other than {axis!r}; mesh {dict(mesh.shape)}.")
+        self.batch_axes = tuple(batch_axes)
 
     @property
     def size(self) -> int:
@@ -156,13 +171,21 @@ class ContextKernel(eqx.Module):
         half_shard = max(1, shard // 2)
         kw = dict(mask=mask, scale=scale, axis=self.axis, block_q=min(self.block_q, half_shard),
                   block_k=min(self.block_k, half_shard))
+        manual_axes = {self.axis}
         if self.impl == "ring":
             fn = partial(ring_attention, q_chunks=self.chunks_for(shard, kw["block_q"]))
+        elif self.impl == "ulysses":
+            kw = dict(mask=mask, scale=scale, axis=self.axis)
+            fn = partial(ulysses_attention, kernel=self.replaces)
+            rows = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+            if not manual and q.shape[0] % rows == 0:  # else (an odd evaluation batch) the partitioner's way
+                manual_axes |= set(self.batch_axes)
         else:
             fn = allgather_attention
         if manual:  # local shards already: the per-device computation itself
             return fn(q, k, v, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, **kw)
-        seq, tok = P(None, self.axis), P(self.axis)
+        batch = tuple(a for a in self.batch_axes if a in manual_axes) or None
+        seq, tok = P(batch, self.axis), P(self.axis)
         if q_seg is None:
             def local(q, k, v, qp, kp):
                 return fn(q, k, v, q_pos=qp, k_pos=kp, **kw)
@@ -171,8 +194,7 @@ class ContextKernel(eqx.Module):
             def local(q, k, v, qp, kp, qs, ks):
                 return fn(q, k, v, q_pos=qp, k_pos=kp, q_seg=qs, k_seg=ks, **kw)
             args, specs = (q, k, v, q_pos, k_pos, q_seg, k_seg), (seq,) * 3 + (tok, tok, seq, seq)
-        mapped = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=seq,
-                               axis_names={self.axis})
+        mapped = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=seq, axis_names=manual_axes)
         return mapped(*args)
 
 

@@ -130,7 +130,7 @@ def context_loss_fn(
         if size > 1 and not context_kernels(model):
             raise ValueError(
                 "the model has no context attention; install it with "
-                "eqgpt.parallel.context.use_context_attention(model, mesh, 'ring' | 'allgather')."
+                "eqgpt.parallel.context.use_context_attention(model, mesh, 'ring' | 'allgather' | 'ulysses')."
             )
         fields = {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
                   "segment_ids": batch.segment_ids, "doc_positions": batch.positions}

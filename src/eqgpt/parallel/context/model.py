@@ -1,4 +1,4 @@
-"""Install ring or all-gather attention into a model by swapping its attention *kernel*.
+"""Install ring, all-gather or Ulysses attention into a model by swapping its attention *kernel*.
 
 `use_context_attention(model, mesh, "ring")` gives every `eqgpt.nn.Attention` of a
 model (for a `GPT`: the stacked `blocks.attn`) a `ContextKernel` through
@@ -30,6 +30,7 @@ def use_context_attention(
     *,
     block_q: int | None = None,
     block_k: int | None = None,
+    batch_axes: tuple[str, ...] = (),
 ) -> PyTree:
     """The model with every `Attention`'s kernel replaced by a `ContextKernel`.
 
@@ -38,8 +39,10 @@ def use_context_attention(
     - `model`: a `GPT` or any pytree holding `eqgpt.nn.Attention` modules (ones
       that already have a context kernel get the new one).
     - `mesh`: the mesh whose `config.axis` splits the sequence.
-    - `config`: a `ContextConfig`, or just the implementation ("ring", "allgather").
+    - `config`: a `ContextConfig`, or just the implementation ("ring", "allgather", "ulysses").
     - `block_q`, `block_k`: tile sizes on each device (default `config.block`).
+    - `batch_axes`: the mesh axes of the batch (`Rules.axes("batch", "activations")`);
+      Ulysses makes them manual around its all-to-alls (see `ContextKernel`).
 
     **Returns:** the model; its arrays are the same objects.
     """
@@ -52,7 +55,8 @@ def use_context_attention(
         found.append(attn)
         base = attn.kernel.replaces if isinstance(attn.kernel, ContextKernel) else attn.kernel
         kernel = ContextKernel(mesh, config.impl, axis=config.axis, block_q=block_q or config.block,
-                               block_k=block_k or config.block, replaces=base)
+                               block_k=block_k or config.block, replaces=base,
+                               batch_axes=tuple(a for a in batch_axes if a in mesh.shape and a != config.axis))
         return attn.with_kernel(kernel)
 
     out = jax.tree.map(swap, model, is_leaf=_is_attention)

@@ -41,7 +41,7 @@ Context parallelism (`context=ContextConfig(...)`): the batch is put into the
 layout (zigzag) once per step, before the program, and `context` joins the
 manual axes: each device holds `T/n` positions of every microbatch, and the
 model gets the global positions of its slots. The attention kernels are swapped
-for all-gather `ContextKernel`s, which see that `context` is already manual and
+for all-gather (or Ulysses) `ContextKernel`s, which see that `context` is already manual and
 run on the local shards directly; every other layer, the loss included, is per
 position and needs nothing. Across `context` the step reduces exactly what it
 reduces across `data`: the loss terms and, once at the end, every gradient (a
@@ -58,7 +58,8 @@ volume, without its overlap. Two formulations do not work, and why:
   collective-permute's rendezvous joins every device of the program (XLA:CPU
   deadlocks or pairs the wrong permutes). An all-gather's group is the context
   peers of one stage, which always take the same branch. So `impl="ring"` runs
-  as all-gather here (logged once).
+  as all-gather here (logged once). Ulysses' all-to-alls have the same groups as
+  the all-gather, and run as they are.
 
 Precision: each stage casts its parameters to the policy's compute dtype inside
 the differentiated function, and activations travel between stages in it;
@@ -646,8 +647,9 @@ _LOGGED: set[str] = set()
 
 
 def _in_stage(ctx):
-    """The context config a pipeline stage runs: all-gather attention (see the module docstring)."""
-    if ctx.impl == "allgather":
+    """The context config a pipeline stage runs: all-gather for ring (see the module docstring);
+    all-gather and Ulysses as they are (their groups are one stage's context peers)."""
+    if ctx.impl in ("allgather", "ulysses"):
         return ctx
     if ctx.impl not in _LOGGED:
         _LOGGED.add(ctx.impl)

@@ -1,0 +1,128 @@
+"""Ulysses context parallelism equals one device: `recipes/train_gpt.py --context ulysses`,
+the compiled all-to-alls, a checkpoint restored on one device, and bad head counts.
+
+Every run trains the `llama-nano` preset, shrunk: 4 query heads sharing 2 kv heads
+(GQA; on `context=4` the kv heads are replicated). `context=4,data=2` trains on packed
+documents shorter and longer than a row (`--data.mode packed`: document masks, with
+documents crossing shard boundaries); the pipeline does not take packed batches yet,
+so the other two meshes train on plain windows (causal mask only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+import tyro
+from filelock import FileLock
+from recipe_runs import TINY, load_recipe, run_recipe, write_documents
+
+import eqgpt
+from eqgpt.data import Batch
+from eqgpt.nn import GPT
+from eqgpt.parallel import Strategy, make_mesh
+from eqgpt.parallel.context import ContextConfig, ulysses_bytes
+from eqgpt.profile import collectives
+from eqgpt.train import TrainState, make_train_step
+
+STEPS = 5
+MODEL = [*TINY, "--model.preset", "llama-nano", "--model.num-heads", "4"]
+MESHES = {  # mesh: (data mode, flags)
+    "context=4,data=2": ("packed", ["--context", "ulysses"]),
+    "context=2,fsdp=2,tensor=2": ("windows", ["--context", "ulysses", "--strategy", "fsdp+tp"]),
+    "pipeline=2,context=2,data=2": ("windows", ["--context", "ulysses", "--pipeline", "1f1b", "--microbatches", "2"]),
+}
+SAVED = "context=4,data=2"  # checkpoints after step 3; restored on one device below
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    # Shared by the xdist workers (their base directories' parent), with the runs below.
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ulysses"
+    with FileLock(str(root) + ".lock"):
+        if not (root / "docs").exists():
+            write_documents(root / "docs")
+    return root
+
+
+def run(root, name, args):
+    """`train_gpt.py` with `args`, once for all workers; **returns** its logged training rows."""
+    out = root / name.replace(",", "_").replace("=", "")
+    with FileLock(str(out) + ".lock"):
+        if not (out / "done").exists():
+            run_recipe(load_recipe(), [*MODEL, *args, "--data.corpus", str(root / "docs"),
+                                       "--data.cache-dir", str(root / "cache"), "--eval-windows", "0",
+                                       "--out-dir", str(out)])
+            (out / "done").touch()
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def losses(root, mesh=None, mode="packed"):
+    """The run on `mesh` (None: one device, in data `mode`); `SAVED` checkpoints after step 3."""
+    if mesh is None:
+        return run(root, f"one-{mode}", ["--steps", str(STEPS), "--data.mode", mode])
+    mode, flags = MESHES[mesh]
+    extra = ["--checkpoint-every", "3"] if mesh == SAVED else []
+    return run(root, mesh, ["--steps", str(STEPS), "--data.mode", mode, "--mesh", mesh, *flags, *extra])
+
+
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.xdist_group("ulysses")) for m in MESHES])
+def test_ulysses_training_equals_one_device(corpus, mesh):
+    got, want = losses(corpus, mesh), losses(corpus, mode=MESHES[mesh][0])
+    assert len(got) == len(want) == STEPS and want[-1]["loss"] < want[0]["loss"]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-5)
+
+
+@pytest.mark.xdist_group("ulysses")
+def test_ulysses_checkpoint_restores_on_one_device(corpus):
+    """The step-3 checkpoint of the `context=4,data=2` run, resumed on one device: steps 4
+    and 5 equal the uninterrupted run's."""
+    losses(corpus, SAVED)
+    out = corpus / "resume-one"
+    with FileLock(str(out) + ".lock"):
+        if not (out / "checkpoints").exists():
+            shutil.copytree(corpus / SAVED.replace(",", "_").replace("=", "") / "checkpoints" / "3",
+                            out / "checkpoints" / "3")
+    resumed = run(corpus, "resume-one", ["--steps", str(STEPS), "--data.mode", "packed", "--resume"])
+    assert [r["step"] for r in resumed] == [4, 5]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in losses(corpus)[3:]], rtol=2e-5)
+
+
+def test_compiled_step_has_four_all_to_alls_per_attention_layer_of_the_analytic_size():
+    """q, k, v to head-sharded and the output back: four all-to-alls over `context` per layer
+    forward (and their four transposes backward), each sending `(n-1)/n` of its block."""
+    config = eqgpt.preset("llama-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, seq_len=32)
+    strategy = Strategy(make_mesh("context=4,data=2"), "dp", context=ContextConfig("ulysses"))
+    model = strategy.place_model(GPT(config, key=jax.random.key(0)))
+    optimizer = optax.adamw(1e-3)
+    state = TrainState(model, strategy.place_opt_state(optimizer.init(eqx.filter(model, eqx.is_array)), model),
+                       rng=jax.random.key(0))
+    batch = strategy.batch(Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(1), (8, 33), 0, 64))))
+    step = make_train_step(optimizer, strategy=strategy, model_like=model, donate=False)
+    compiled = step.lower(state, batch).compile({"xla_backend_optimization_level": 0})
+    rows = [r for r in collectives(compiled, strategy.mesh) if r.kind == "all-to-all"]
+    n, layers, head_dim = 4, config.num_layers, config.embed_dim // config.num_heads
+    forward = [r for r in rows if r.phase == "forward"]
+    assert len(forward) == 4 and len(rows) == 8
+    assert all(r.axes == ("context",) and r.executions == layers for r in rows)  # once per layer of the scan
+    sent = ulysses_bytes(rows=4, seq=config.seq_len, num_heads=4, num_kv_heads=config.num_kv_heads,
+                         head_dim=head_dim, n=n)  # 8 rows over data=2: 4 on each device
+    assert sum(r.total_bytes for r in forward) * (n - 1) / n == layers * sent
+    assert sum(r.total_bytes for r in rows) * (n - 1) / n == 2 * layers * sent
+
+
+def test_heads_not_divisible_by_context_fail_before_compiling(tmp_path):
+    args = [*MODEL, "--data.corpus", str(write_documents(tmp_path / "docs", n=4)), "--steps", "1",
+            "--out-dir", str(tmp_path / "run"), "--mesh", "context=4,data=2", "--context", "ulysses",
+            "--model.num-heads", "2"]
+    with pytest.raises(ValueError, match=r"--context ulysses splits the 2 attention heads over the 4 devices"):
+        load_recipe().main(tyro.cli(load_recipe().TrainConfig, args=args))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
