@@ -256,14 +256,18 @@ def test_zero_bubble_temp_memory_within_ten_percent_of_1f1b():
     assert extra > 0 and f + extra <= z <= 1.10 * f, (f, z, extra)
 
 
-def test_zero_bubble_gradients_equal_1f1b_and_one_device(init_model):
+@pytest.mark.parametrize("mesh_spec, rules", [("pipeline=4,data=2", "dp"), ("pipeline=2,fsdp=2,tensor=2", "fsdp+tp")])
+def test_zero_bubble_gradients_equal_1f1b_and_one_device(mesh_spec, rules, init_model):
     """The split backward (B: vjp in the stage input; W: vjp in the parameters, ticks later)
-    gives 1F1B's gradients, and one device's (`pipeline=4,data=2`, one masked batch)."""
+    gives 1F1B's gradients, and one device's (one masked batch)."""
     batch = make_batch(0)
-    mesh = make_mesh("pipeline=4,data=2")
     (loss, _), ref = Strategy().grad_fn()(init_model, batch)
-    (loss_1f1b, _), g_1f1b = pipeline_grad_fn(mesh, "1f1b", 4)(init_model, batch)
-    (loss_zb, _), g_zb = pipeline_grad_fn(mesh, "zb1", 4)(init_model, batch)
+    out = {}
+    for schedule in ("1f1b", "zb1"):
+        strategy = Strategy(make_mesh(mesh_spec), rules, pipeline=PipelineConfig(schedule, 4))
+        out[schedule] = strategy.grad_fn()(strategy.place_model(init_model), strategy.batch(batch))
+    (loss_1f1b, _), g_1f1b = out["1f1b"]
+    (loss_zb, _), g_zb = out["zb1"]
     np.testing.assert_allclose([loss_zb, loss_1f1b], [loss, loss], rtol=1e-5)
     close(g_zb, g_1f1b, rtol=1e-5, atol=1e-7)
     close(g_zb, ref, rtol=1e-5, atol=1e-6)
