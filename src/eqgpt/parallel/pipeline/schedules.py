@@ -81,7 +81,7 @@ class Schedule:
 
     **Fields:**
 
-    - `name`: a label ("gpipe", "1f1b", "interleaved" or your own).
+    - `name`: a label ("gpipe", "1f1b", "interleaved", "zb1" or your own).
     - `num_stages` (p), `num_microbatches` (m), `num_chunks` (v, chunks per stage).
     - `ticks`: the table, one row per tick with one `Action | None` per stage.
 
