@@ -36,8 +36,8 @@ stage) and place them on the earliest ticks the dependencies allow
   fill the drain that 1F1B leaves idle, and every stage holds at most `p` stage
   inputs (1F1B's peak, on its first stage). Needs `m >= p`.
 
-Idle ticks, `p (p - 1)` times: 2 for GPipe, 1F1B and interleaved (whose ticks are
-`1/v` long), 1 for ZB-H1 (whose B and W take a tick each: the model
+Idle cells: `2 p (p - 1)` for GPipe, 1F1B and interleaved (whose ticks are `1/v`
+long), `p (p - 1)` for ZB-H1 (whose B and W take a tick each: the model
 `T_F = T_B = T_W`). Bubble (idle ticks / all ticks): `(p - 1) / (m + p - 1)` for
 GPipe and 1F1B, `(p - 1) / (v * m + p - 1)` interleaved, `(p - 1) / (3 m + p - 1)`
 ZB-H1.
