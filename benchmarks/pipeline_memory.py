@@ -4,6 +4,8 @@ The microbatch size is fixed (the batch grows with m), as when one raises m to
 shrink the bubble. 1F1B keeps at most p stage inputs per stage, so its temporary
 memory stays flat; GPipe keeps all m, so it grows linearly. Interleaved keeps
 about `2(p-1) + (v-1)p + 1` chunk inputs, each of 1/v of a stage's layers.
+ZB-H1 keeps 1F1B's p stage inputs, plus up to p-1 incoming gradients for its
+deferred weight-gradient (W) ticks.
 
     python benchmarks/pipeline_memory.py                       # 8 CPU devices
     python benchmarks/pipeline_memory.py --microbatches 4 8 16 32
@@ -45,7 +47,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mesh", default="pipeline=4,data=2")
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "interleaved"])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "interleaved", "zb1"])
     ap.add_argument("--microbatch-size", type=int, default=8, help="rows per microbatch per data-parallel device")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=64)

@@ -33,6 +33,7 @@ from eqgpt.parallel.context import layout_positions  # noqa: E402
 IMG = pathlib.Path(__file__).resolve().parent / "img"
 F_COLOURS = plt.get_cmap("Blues")
 B_COLOURS = plt.get_cmap("Oranges")
+W_COLOURS = plt.get_cmap("Greens")  # a split backward's weight gradient (ZB-H1)
 
 
 def schedule(name: str, stages: int, microbatches: int, chunks: int = 1):
@@ -42,7 +43,7 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int = 1):
 
 
 def draw_schedule(ax, sched) -> None:
-    """One row per stage, one column per tick; F cells blue, B cells orange, idle cells blank."""
+    """One row per stage, one column per tick; F cells blue, B cells orange, W cells green, idle cells blank."""
     p, m, v = sched.num_stages, sched.num_microbatches, sched.num_chunks
     for t, row in enumerate(sched.ticks):
         for s, action in enumerate(row):
@@ -50,7 +51,7 @@ def draw_schedule(ax, sched) -> None:
                 ax.add_patch(Rectangle((t, s), 1, 1, facecolor="#f2f2f2", edgecolor="white"))
                 continue
             shade = 0.35 + 0.5 * (action.microbatch + action.chunk * m) / max(1, m * v - 1)
-            colour = (F_COLOURS if action.kind == "F" else B_COLOURS)(shade)
+            colour = {"F": F_COLOURS, "B": B_COLOURS, "W": W_COLOURS}[action.kind](shade)
             ax.add_patch(Rectangle((t, s), 1, 1, facecolor=colour, edgecolor="white"))
             ax.text(t + 0.5, s + 0.5, action.label(v), ha="center", va="center", fontsize=7)
     ax.set_xlim(0, sched.num_ticks)
@@ -65,7 +66,7 @@ def draw_schedule(ax, sched) -> None:
 
 
 def pipeline_figure(path: pathlib.Path) -> None:
-    scheds = [schedule("gpipe", 4, 8), schedule("1f1b", 4, 8), schedule("interleaved", 4, 8, 2)]
+    scheds = [schedule("gpipe", 4, 8), schedule("1f1b", 4, 8), schedule("interleaved", 4, 8, 2), schedule("zb1", 4, 8)]
     width = max(s.num_ticks for s in scheds)
     fig, axes = plt.subplots(len(scheds), 1, figsize=(0.28 * width + 1.5, 1.3 * len(scheds) + 0.4))
     for ax, s in zip(axes, scheds, strict=True):

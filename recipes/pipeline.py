@@ -33,7 +33,7 @@ class Args:
     """Mesh sizes; the 'pipeline' axis holds the stages."""
     strategy: str = "dp"
     """Rules for the other axes: dp, fsdp, dp+tp, ..."""
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"
     microbatches: int = 8
     virtual_stages: int = 2
     """Layer chunks per stage (interleaved)."""

@@ -150,8 +150,8 @@ class TrainConfig:
     """Device mesh, e.g. 'pipeline=2,data=2,tensor=2' (axes data, fsdp, pipeline, context, expert, tensor; -1 fills); '' = one device."""
     strategy: str = "dp"
     """Sharding rules on --mesh: presets dp, fsdp, tp, sp joined by '+' (e.g. 'fsdp+tp'); sp implies tp."""
-    pipeline: Literal["gpipe", "1f1b", "interleaved"] | None = None
-    """Run the layers as a pipeline over the mesh's 'pipeline' axis with this schedule."""
+    pipeline: Literal["gpipe", "1f1b", "interleaved", "zb1"] | None = None
+    """Run the layers as a pipeline over the mesh's 'pipeline' axis with this schedule (zb1: zero-bubble ZB-H1, needs --microbatches >= the pipeline size)."""
     microbatches: int = 4
     """Pipeline microbatches per step."""
     virtual_stages: int = 2

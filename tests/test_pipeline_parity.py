@@ -7,8 +7,12 @@
 - a user's own model (its block and squared-ReLU MLP defined here, from
   `eqgpt.nn.Linear`) runs as a pipeline through the `LanguageModel` protocol;
 - data-parallel reductions run once per step, stage-to-stage permutes twice per tick;
-- temporary memory: flat under 1F1B as m grows, growing under GPipe.
+- temporary memory: flat under 1F1B as m grows, growing under GPipe;
+- ZB-H1 (split backward): 1F1B's gradients and one device's, and 1F1B's memory
+  within 10% (its recipe runs are in test_strategies).
 """
+
+import functools
 
 import equinox as eqx
 import jax
@@ -217,21 +221,53 @@ def test_a_users_own_model_runs_as_a_pipeline():
     close(eqx.filter(final, eqx.is_array), eqx.filter(ref_final, eqx.is_array), rtol=1e-4, atol=1e-5)
 
 
-def _temp(schedule_name, m, model, mesh, microbatch=4, seq=64):
+@functools.cache
+def _temp(schedule_name, m, microbatch=4, seq=64):
+    """Per-device temporary memory of the compiled step, on `pipeline=4,data=2`, a fixed microbatch size."""
+    cfg = CFG.replace(seq_len=seq, num_layers=4)
+    model = eqx.filter_eval_shape(lambda k: nn.GPT(cfg, key=k), jax.random.key(0))
+    mesh = make_mesh("pipeline=4,data=2")
     shape = (m * microbatch * mesh.shape["data"], seq)
     z = np.zeros(shape, np.int32)  # only the shapes matter: the step is compiled, not run
     fn = pipeline_grad_fn(mesh, schedule_name, m)
     return fn.temp_bytes(model, Batch(z, z))
 
 
+STAGE_INPUT = 4 * 64 * 32 * 4  # one microbatch's activations [4, 64, 32] fp32, the size of every buffer slot
+
+
 def test_temp_memory_flat_under_1f1b_growing_under_gpipe():
     """Fixed microbatch size, m from 4 to 16 (from `compiled.memory_analysis()`)."""
-    cfg = CFG.replace(seq_len=64, num_layers=4)
-    model = eqx.filter_eval_shape(lambda k: nn.GPT(cfg, key=k), jax.random.key(0))
-    mesh = make_mesh("pipeline=4,data=2")
-    f4, f16 = _temp("1f1b", 4, model, mesh), _temp("1f1b", 16, model, mesh)
-    g4, g16 = _temp("gpipe", 4, model, mesh), _temp("gpipe", 16, model, mesh)
+    f4, f16 = _temp("1f1b", 4), _temp("1f1b", 16)
+    g4, g16 = _temp("gpipe", 4), _temp("gpipe", 16)
     assert abs(f16 / f4 - 1) < 0.15, (f4, f16)
     # GPipe holds m stage inputs [4, 64, 32] fp32: 12 more at m=16 than at m=4.
-    extra_inputs = (lower(make_pipeline_schedule("gpipe", 4, 16)).act_slots - 4) * 4 * 64 * 32 * 4
+    extra_inputs = (lower(make_pipeline_schedule("gpipe", 4, 16)).act_slots - 4) * STAGE_INPUT
     assert g16 - g4 >= 0.9 * extra_inputs, (g4, g16, extra_inputs)
+
+
+def test_zero_bubble_temp_memory_within_ten_percent_of_1f1b():
+    """ZB-H1 holds 1F1B's `p` stage inputs, plus the incoming gradients its deferred W's still
+    need: the compiled step shows those extra slots, and stays within 10% of 1F1B's memory."""
+    f, z = _temp("1f1b", 4), _temp("zb1", 4)
+    zb, f1b = lower(make_pipeline_schedule("zb1", 4, 4)), lower(make_pipeline_schedule("1f1b", 4, 4))
+    assert zb.act_slots == f1b.act_slots == 4
+    extra = (zb.grad_slots - f1b.grad_slots) * STAGE_INPUT
+    assert extra > 0 and f + extra <= z <= 1.10 * f, (f, z, extra)
+
+
+@pytest.mark.parametrize("mesh_spec, rules", [("pipeline=4,data=2", "dp"), ("pipeline=2,fsdp=2,tensor=2", "fsdp+tp")])
+def test_zero_bubble_gradients_equal_1f1b_and_one_device(mesh_spec, rules, init_model):
+    """The split backward (B: vjp in the stage input; W: vjp in the parameters, ticks later)
+    gives 1F1B's gradients, and one device's (one masked batch)."""
+    batch = make_batch(0)
+    (loss, _), ref = Strategy().grad_fn()(init_model, batch)
+    out = {}
+    for schedule in ("1f1b", "zb1"):
+        strategy = Strategy(make_mesh(mesh_spec), rules, pipeline=PipelineConfig(schedule, 4))
+        out[schedule] = strategy.grad_fn()(strategy.place_model(init_model), strategy.batch(batch))
+    (loss_1f1b, _), g_1f1b = out["1f1b"]
+    (loss_zb, _), g_zb = out["zb1"]
+    np.testing.assert_allclose([loss_zb, loss_1f1b], [loss, loss], rtol=1e-5)
+    close(g_zb, g_1f1b, rtol=1e-5, atol=1e-7)
+    close(g_zb, ref, rtol=1e-5, atol=1e-6)

@@ -33,6 +33,7 @@ from eqgpt.parallel.pipeline import (
     make_pipeline_schedule,
     one_f_one_b,
     pipeline_grad_fn,
+    zero_bubble_h1,
 )
 
 GRID = [
@@ -128,6 +129,61 @@ def test_a_table_that_breaks_the_order_is_rejected():
     assert Schedule("mine", 2, 1, 1, good).bubble == 0.5
 
 
+# ------------------------------------------------------------------ zero bubble (ZB-H1)
+
+ZB = [(p, m) for p, m in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 5, 8, 16)) if m >= p]
+
+
+@pytest.mark.parametrize("p, m", ZB)
+def test_zero_bubble_h1_order_idle_ticks_and_memory(p, m):
+    """Read from the table: every B after its F and the next stage's B, every W after its B on the
+    same stage; `p (p - 1)` idle cells (1F1B: `2 p (p - 1)`); at most `p` stage inputs held per stage,
+    an input held from its F until its W (1F1B's peak)."""
+    zb, f1b = zero_bubble_h1(p, m), one_f_one_b(p, m)
+    w = when(zb)
+    assert len(w) == 3 * m * p
+    for i, g in itertools.product(range(m), range(p)):
+        (tf, sf), (tb, sb), (tw, sw) = w["F", i, g], w["B", i, g], w["W", i, g]
+        assert sf == sb == sw == g and tf < tb < tw
+        if g < p - 1:
+            assert w["B", i, g + 1][0] < tb and w["F", i, g + 1][0] > tf
+    idle = lambda sched: sum(a is None for row in sched.ticks for a in row)  # noqa: E731
+    assert idle(zb) == p * (p - 1) == zb.expected_idle_ticks
+    assert idle(f1b) == 2 * p * (p - 1) == f1b.expected_idle_ticks
+    assert p == 1 or idle(zb) < idle(f1b)
+    assert zb.num_ticks == 3 * m + p - 1
+    assert zb.bubble == pytest.approx((p - 1) / (3 * m + p - 1)) == zb.expected_bubble
+    held = []
+    for s in range(p):
+        alive = peak = 0
+        for row in zb.ticks:
+            alive += {"F": 1, "W": -1}.get(getattr(row[s], "kind", None), 0)
+            peak = max(peak, alive)
+        held.append(peak)
+    assert max(held) == zb.peak_in_flight == f1b.peak_in_flight == p
+    assert lower(zb).act_slots == p
+
+
+def test_zero_bubble_table_prints_idle_ticks_bubble_and_memory():
+    chart = zero_bubble_h1(4, 8).table().splitlines()
+    assert chart[0] == "zb1: p=4 m=8  ticks=27  idle=12  bubble=0.111  in-flight=4"
+    assert chart[2].split()[2:12] == ["F0", "F1", "F2", "F3", ".", ".", ".", "B0", "W0", "F4"]
+    assert one_f_one_b(4, 8).table().splitlines()[0] == "1f1b: p=4 m=8  ticks=22  idle=24  bubble=0.273  in-flight=4"
+
+
+def test_split_tables_need_every_weight_gradient_after_its_input_gradient():
+    good = zero_bubble_h1(2, 2).ticks
+    cells = [(t, s) for t, row in enumerate(good) for s, a in enumerate(row) if a is not None]
+    t, s = next((t, s) for t, s in cells if good[t][s].kind == "W")
+    without_w = tuple(tuple(None if (u, r) == (t, s) else a for r, a in enumerate(row)) for u, row in enumerate(good))
+    with pytest.raises(ValueError, match="never runs W"):
+        Schedule("no-w", 2, 2, 1, without_w)
+    # The same W moved to a tick of its own before the table: before its B.
+    early = (tuple(good[t][r] if r == s else None for r in range(2)), *without_w)
+    with pytest.raises(ValueError, match="does not follow B"):
+        Schedule("early-w", 2, 2, 1, early)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -136,6 +192,7 @@ def test_a_table_that_breaks_the_order_is_rejected():
         (lambda: make_pipeline_schedule("zigzag", 4, 8), "unknown pipeline schedule"),
         (lambda: one_f_one_b(4, 0), "positive integer"),
         (lambda: gpipe(0, 4), "positive integer"),
+        (lambda: make_pipeline_schedule("zb1", 4, 2), r"zb1 needs at least as many microbatches .* --microbatches 4"),
     ],
 )
 def test_schedule_errors(call, match):

@@ -46,6 +46,11 @@ STRATEGIES = {
     "pipeline=2,context=2,tensor=2": ["--mesh", "pipeline=2,context=2,tensor=2", "--strategy", "tp",
                                       "--pipeline", "1f1b", "--microbatches", "4", "--context", "ring"],
     "manual data=2,tensor=4 sp": ["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual"],
+    # Zero-bubble ZB-H1: the backward split into input (B) and weight (W) gradients.
+    "pipeline=4,data=2 zb1": ["--mesh", "pipeline=4,data=2", "--strategy", "dp", "--pipeline", "zb1",
+                              "--microbatches", "4"],
+    "pipeline=2,fsdp=2,tensor=2 zb1": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
+                                       "--pipeline", "zb1", "--microbatches", "4"],
 }
 COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp")]
 # Checkpoint portability: saved under each, restored under the next other than one device, so every
@@ -121,6 +126,16 @@ def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_pat
         np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5, err_msg=f"saved under {saved}, resumed under {target}")
 
 
+@pytest.mark.xdist_group("pipeline=4,data=2 zb1")
+def test_zero_bubble_checkpoint_restores_on_one_device(corpus, tmp_path, tmp_path_factory):
+    """The step-3 checkpoint of the ZB-H1 run continues on one device like the uninterrupted run."""
+    ref = trained("single", corpus, tmp_path_factory)[0]
+    _, saved_dir = trained("pipeline=4,data=2 zb1", corpus, tmp_path_factory)
+    shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
+    resumed = run(corpus, tmp_path, "single", "--steps", "6", "--resume")
+    np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5)
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--mesh", "pipeline=2,data=4", "--strategy", "dp"], r"mesh axes \[.pipeline.\].*used by no part"),
     (["--mesh", "data=2,tensor=4", "--strategy", "dp"], r"\['tensor'\].*add 'tp' or 'sp'"),
@@ -129,6 +144,8 @@ def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_pat
      r"num_layers=4 cannot be split into 8 stages"),
     (["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual", "--context", "ring"], "manual path"),
     (["--pipeline", "1f1b"], "needs a mesh"),
+    (["--mesh", "pipeline=4,data=2", "--strategy", "dp", "--pipeline", "zb1", "--microbatches", "2"],
+     r"zb1 needs at least as many microbatches as pipeline stages \(got m=2 for p=4\); use --microbatches 4"),
     (["--mesh", "pipeline=2,data=4", "--strategy", "dp", "--pipeline", "1f1b", "--pipeline-layers", "3,3"],
      r"layers_per_stage=\(3, 3\) must give each of the 2 virtual stages .* 4 layers in all"),
     (["--mesh", "pipeline=2,data=4", "--strategy", "dp", "--pipeline", "1f1b", "--pipeline-layers", "three"],

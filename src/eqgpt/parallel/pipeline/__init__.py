@@ -31,10 +31,11 @@ from eqgpt.parallel.pipeline.schedules import (
     interleaved,
     make_pipeline_schedule,
     one_f_one_b,
+    zero_bubble_h1,
 )
 
 __all__ = [
-    "Action", "Schedule", "SCHEDULES", "from_programs", "gpipe", "one_f_one_b", "interleaved",
+    "Action", "Schedule", "SCHEDULES", "from_programs", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1",
     "make_pipeline_schedule", "lower", "Lowered", "pipeline_grad_fn", "check_pipeline", "bubble_report",
     "PP", "to_stages", "from_stages", "stage_slots",
     "StageCosts", "balance_table", "equal_layers", "balanced_layers", "measure_costs", "stage_flops",

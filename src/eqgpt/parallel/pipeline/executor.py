@@ -12,11 +12,19 @@ of a `jax.lax.switch`:
   loss instead;
 - *backward*: `jax.vjp` of the chunk, recomputed from the saved stage input, with
   the gradient that arrived from the next stage (or the loss on the last virtual
-  stage); accumulate the parameter gradients and send the input gradient back.
+  stage); accumulate the parameter gradients and send the input gradient back;
+- split schedules (`Schedule.split_backward`, ZB-H1) replace *backward* by two
+  branches: *input gradient* (B), the `jax.vjp` of the recomputed chunk with
+  respect to its input only (the parameters closed over as constants, so XLA
+  computes no weight-gradient product), sent back at once; and *weight gradient*
+  (W), the `jax.vjp` with respect to the parameters only, recomputed later from
+  the same saved input and incoming gradient (both kept until W), accumulated and
+  sent nowhere. The gradients are 1F1B's; each of B and W recomputes the forward,
+  and W also the chain of activation gradients inside the chunk.
 
 Whether a virtual stage is the first (embedding) or the last (norm, head, loss)
 is a traced flag tested with `lax.cond` inside the branch, so the program has
-three branches whatever the schedule. The loss is added only on the last
+three branches (four when split) whatever the schedule. The loss is added only on the last
 virtual stage (an MoE layer's auxiliary losses on the stage that runs it) and
 summed over stages once, after the loop.
 
@@ -417,17 +425,35 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
             zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
             return vary((y.astype(act), zeros_act, *zeros, terms))
 
-        def backward(chunk, rest_p, x, dy, data, first, last, used):
-            # Recompute the stage from its saved input, then pull back: the gradient that
-            # came from the next stage (none on the last virtual stage), and d(loss) = the
-            # loss scale (1 unscaled): the last virtual stage's loss, every stage's MoE losses.
-            (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last, used), chunk, rest_p, x)
-            cot_y = jnp.where(last, 0.0, dy).astype(y.dtype)
+        def cotangents(last, dy, y, terms):
+            # The gradient that came from the next stage (none on the last virtual stage), and
+            # d(loss) = the loss scale (1 unscaled): the last virtual stage's loss, every stage's MoE losses.
             cot_terms = (jnp.stack([scale, 0.0, 0.0]), jax.tree.map(jnp.zeros_like, terms[1]))
-            d_chunk, d_rest, dx = pullback((cot_y, vary(cot_terms)))
+            return jnp.where(last, 0.0, dy).astype(y.dtype), vary(cot_terms)
+
+        def backward(chunk, rest_p, x, dy, data, first, last, used):
+            # Recompute the stage from its saved input, then pull back both gradients.
+            (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last, used), chunk, rest_p, x)
+            d_chunk, d_rest, dx = pullback(cotangents(last, dy, y, terms))
             return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), d_chunk, d_rest, (no_terms, no_stats)))
 
-        branches = [idle, forward, backward]
+        def input_grad(chunk, rest_p, x, dy, data, first, last, used):
+            # Split backward, B: the vjp with respect to the stage input only (the parameters
+            # are constants, so no weight-gradient product is computed), sent to the previous stage.
+            (y, terms), pullback = jax.vjp(lambda x_: run(chunk, rest_p, x_, data, first, last, used), x)
+            (dx,) = pullback(cotangents(last, dy, y, terms))
+            zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
+            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), *zeros, (no_terms, no_stats)))
+
+        def weight_grad(chunk, rest_p, x, dy, data, first, last, used):
+            # Split backward, W: the vjp with respect to the parameters only, recomputed from the
+            # same saved input and incoming gradient; nothing is sent.
+            (y, terms), pullback = jax.vjp(lambda c, r: run(c, r, x, data, first, last, used), chunk, rest_p)
+            d_chunk, d_rest = pullback(cotangents(last, dy, y, terms))
+            return vary((zeros_act, zeros_act, d_chunk, d_rest, (no_terms, no_stats)))
+
+        # Indexed by the lowering's op codes: IDLE, FORWARD, BACKWARD (the input gradient when split), WEIGHT.
+        branches = [idle, forward, input_grad, weight_grad] if schedule.split_backward else [idle, forward, backward]
 
         def tick(carry, row_all):
             acts, grads_in, g_blocks, g_rest, terms = carry
@@ -492,7 +518,7 @@ def pipeline_grad_fn(
 
     - `mesh`: a mesh from `eqgpt.parallel.make_mesh` with a `pipeline` axis of size p
       (`data`, `fsdp`, `tensor` and, with `context`, `context` may be > 1).
-    - `schedule`: a `Schedule`, or a name ("gpipe", "1f1b", "interleaved") built
+    - `schedule`: a `Schedule`, or a name ("gpipe", "1f1b", "interleaved", "zb1") built
       with `microbatches` and, for "interleaved", `virtual_stages` chunks per stage.
     - `rules`: the rule set the parameters are placed with (e.g. `"fsdp+tp"`); it
       says which parameter dimensions are split over `fsdp`. `None`: replicated
@@ -660,10 +686,11 @@ def _in_stage(ctx):
 
 
 def bubble_report(schedule: Schedule) -> str:
-    """One line: measured bubble of the table and the analytic formula."""
+    """One line: measured bubble of the table, the analytic formula, and the peak stage inputs held."""
     return (f"{schedule.name}: p={schedule.num_stages} m={schedule.num_microbatches} v={schedule.num_chunks} "
             f"bubble {schedule.bubble:.3f} (idle {schedule.idle_ticks} of "
-            f"{schedule.num_ticks * schedule.num_stages} stage-ticks; formula {schedule.expected_bubble:.3f})")
+            f"{schedule.num_ticks * schedule.num_stages} stage-ticks; formula {schedule.expected_bubble:.3f}); "
+            f"at most {schedule.peak_in_flight} stage inputs in flight")
 
 
 __all__ = ["pipeline_grad_fn", "PipelineGradFn", "check_pipeline", "bubble_report", "PP", "to_stages", "from_stages",

@@ -5,7 +5,12 @@ arrived from the previous virtual stage, kept until that microbatch's backward
 recomputes from them) and *gradients* (that arrived from the next virtual stage,
 kept until the backward that consumes them). Slots are assigned here, once, by
 walking the table in time order, so the buffer sizes are the schedule's true peak:
-`m` inputs per stage for GPipe, at most `p` for 1F1B.
+`m` inputs per stage for GPipe, at most `p` for 1F1B and ZB-H1.
+
+In a split table (`Schedule.split_backward`) `B` (op `BACKWARD`: the input
+gradient) reads both slots and frees neither; `W` (op `WEIGHT`: the weight
+gradient, recomputed from the same input and incoming gradient) reads and frees
+them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from eqgpt.parallel.pipeline.schedules import Schedule
 
 # Instruction columns, and the op codes of column OP.
 OP, MICROBATCH, CHUNK, ACT_READ, GRAD_READ, ACT_WRITE, GRAD_WRITE = range(7)
-IDLE, FORWARD, BACKWARD = range(3)
+IDLE, FORWARD, BACKWARD, WEIGHT = range(4)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ def lower(schedule: Schedule) -> Lowered:
     """**Arguments:** a valid `schedule`. **Returns:** its `Lowered` instructions."""
     p, G = schedule.num_stages, schedule.num_virtual_stages
     T = schedule.num_ticks
+    frees = "W" if schedule.split_backward else "B"  # the action done with the slots
     ins = np.zeros((T, p, 7), np.int32)
     act_of: list[dict] = [{} for _ in range(p)]
     grad_of: list[dict] = [{} for _ in range(p)]
@@ -60,15 +66,16 @@ def lower(schedule: Schedule) -> Lowered:
             if a is None:
                 continue
             g = a.chunk * p + s
-            ins[t, s, :3] = (FORWARD if a.kind == "F" else BACKWARD, a.microbatch, a.chunk)
+            ins[t, s, :3] = ({"F": FORWARD, "B": BACKWARD, "W": WEIGHT}[a.kind], a.microbatch, a.chunk)
             key = (a.microbatch, g)
             if g:
                 ins[t, s, ACT_READ] = act_of[s][key]
-                if a.kind == "B":
+                if a.kind == frees:
                     act_free[s].append(act_of[s].pop(key))
-            if a.kind == "B" and g < G - 1:
+            if a.kind != "F" and g < G - 1:
                 ins[t, s, GRAD_READ] = grad_of[s][key]
-                grad_free[s].append(grad_of[s].pop(key))
+                if a.kind == frees:
+                    grad_free[s].append(grad_of[s].pop(key))
             if a.kind == "F" and g < G - 1:
                 arrivals.append(("F", (g + 1) % p, (a.microbatch, g + 1)))
             if a.kind == "B" and g > 0:

@@ -26,14 +26,15 @@ from eqgpt.precision import Policy
 class PipelineConfig:
     """A pipeline over the mesh's `pipeline` axis.
 
-    **Fields:** `schedule` ("gpipe", "1f1b" or "interleaved"), `microbatches`
+    **Fields:** `schedule` ("gpipe", "1f1b", "interleaved" or "zb1", the zero-bubble
+    ZB-H1, which needs `microbatches` >= the pipeline size), `microbatches`
     per step, `virtual_stages` (chunks per device, "interleaved" only),
     `layers_per_stage`: "equal", "auto" (balanced by measured FLOPs: the stages
     with the embedding and the head take fewer layers) or a count per virtual
     stage, e.g. `(4, 4, 4, 0)` (see `eqgpt.parallel.pipeline.balance`).
     """
 
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"
     microbatches: int = 4
     virtual_stages: int = 2
     layers_per_stage: tuple[int, ...] | Literal["equal", "auto"] = "equal"
