@@ -170,6 +170,10 @@ class TrainConfig:
     """Keep the optimizer state in pinned host memory between steps (docs/memory.md)."""
     offload_params: bool = False
     """Keep the parameters in pinned host memory between steps too (with FSDP, each device's shard; docs/memory.md)."""
+    collective_matmul: bool = False
+    """With --manual and 'sp': each region's all-gather/reduce-scatter as a ring of permutes interleaved with the matmuls (docs/parallelism/sp.md)."""
+    bucket_mb: float | None = None
+    """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
@@ -227,7 +231,7 @@ def strategy_of(cfg: TrainConfig) -> Strategy:
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
                           virtual_stages=cfg.virtual_stages, pipeline_layers=cfg.pipeline_layers, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
                           offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
-                          expert=cfg.expert)
+                          expert=cfg.expert, collective_matmul=cfg.collective_matmul, bucket_mb=cfg.bucket_mb)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:
