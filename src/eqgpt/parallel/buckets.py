@@ -4,8 +4,9 @@ A model has a gradient array per parameter, and data parallelism sums each over
 the data axes. Written one per array, a step issues as many all-reduces as the
 model has arrays (a GPT block has 16, norms and biases among them), and each pays
 the collective's fixed latency, however few its bytes. Bucketing (PyTorch DDP's
-`bucket_cap_mb`) flattens the arrays that reduce over the same axes, in order,
-into fp32 buffers of at most `bucket_bytes`, and reduces each buffer with one
+`bucket_cap_mb`) flattens the arrays that reduce over the same axes, in order
+(inside `shard_map`, those also varying over the same axes: a tensor-parallel
+shard and a replicated norm scale are kept apart), into fp32 buffers of at most `bucket_bytes`, and reduces each buffer with one
 all-reduce; the results are split back. The bytes on the wire are unchanged
 (`2 (n-1)/n` of the fp32 gradient bytes); the count drops to the number of buckets.
 
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from eqgpt.parallel.collectives import AxisName, all_reduce
+from eqgpt.parallel.collectives import AxisName, all_reduce, varying_axes
 
 MB = 2**20
 
@@ -79,11 +80,14 @@ def bucketed_all_reduce(
     **Bytes per device:** `2 (n-1)/n` of the fp32 bytes, bucketed or not.
     """
     out = list(leaves)
-    groups: dict[AxisName, list[int]] = {}
+    # A bucket joins arrays of the same reduction axes and the same varying-ness (inside
+    # `shard_map`): a tensor-parallel shard and a replicated norm scale stay apart, so
+    # each result keeps its type (replicated stays replicated).
+    groups: dict[tuple, list[int]] = {}
     for i, ax in enumerate(axes):
         if ax:
-            groups.setdefault(ax, []).append(i)
-    for ax, members in groups.items():
+            groups.setdefault((ax, varying_axes(leaves[i])), []).append(i)
+    for (ax, _), members in groups.items():
         if bucket_bytes is None:
             for i in members:
                 out[i] = all_reduce(leaves[i].astype(jnp.float32), ax, op=op).astype(leaves[i].dtype)
@@ -104,7 +108,8 @@ def bucketed_all_reduce(
 def all_reduce_count(sizes_by_axes: Sequence[tuple[AxisName, int]], bucket_bytes: int | None) -> int:
     """How many all-reduces `bucketed_all_reduce` issues for arrays of (axes, fp32 bytes).
 
-    Without buckets, one per array that reduces over some axes.
+    Without buckets, one per array that reduces over some axes. `axes` is the grouping
+    key: under tensor parallelism pass `(axes, varying axes)` to count as the manual path groups.
     """
     groups: dict[AxisName, list[int]] = {}
     for ax, size in sizes_by_axes:
