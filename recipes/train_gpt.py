@@ -29,6 +29,7 @@ from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
+from eqgpt.parallel.communication import bucket_report
 from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text
@@ -398,6 +399,8 @@ def main(cfg: TrainConfig) -> dict:
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+    if (buckets := bucket_report(strategy, model_like)) is not None:
+        log(buckets)
     out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
     log(f"run directory: {out}")
     if strategy.pipeline is not None:

@@ -21,7 +21,22 @@ from typing import Any
 from jaxtyping import PyTree
 
 from eqgpt.parallel.buckets import bucket_bytes_of
+from eqgpt.parallel.manual import manual_grad_fn
 from eqgpt.parallel.part import Part
+
+
+def bucket_report(strategy: Any, model_like: PyTree) -> str | None:
+    """One line for a run's log: the manual path's gradient all-reduces per step, without and
+    with `bucket_mb`'s buckets; `None` where the strategy has no buckets or no manual path
+    (a pipeline's count is in its compiled program: `eqgpt.profile.collectives`).
+
+    **Arguments:** the `Strategy`, the model or its `jax.eval_shape`.
+    """
+    if strategy.bucket_mb is None or not strategy.manual:
+        return None
+    before, after = manual_grad_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
+                                   bucket_bytes=bucket_bytes_of(strategy.bucket_mb)).all_reduce_counts
+    return f"gradient all-reduces per step: {before} -> {after} (buckets of at most {strategy.bucket_mb:g} MiB)"
 
 
 @dataclass(frozen=True)
@@ -68,4 +83,4 @@ class CommunicationPart(Part):
         return ", ".join(pieces)
 
 
-__all__ = ["CommunicationPart"]
+__all__ = ["CommunicationPart", "bucket_report"]

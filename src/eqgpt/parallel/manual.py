@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
-from eqgpt.parallel.buckets import bucket_bytes_of, bucketed_all_reduce
+from eqgpt.parallel.buckets import all_reduce_count, bucket_bytes_of, bucketed_all_reduce
 from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
 from eqgpt.parallel.expert import moe_layers
 from eqgpt.parallel.part import GradFn, LossFn, Part
@@ -128,6 +130,17 @@ class _Plan:
 
         # One entry per array, in leaf order (spec trees are matched to models by leaf order).
         self.grad_axes = [reduce_axes(spec) for spec in jax.tree.leaves(self.specs, is_leaf=is_spec)]
+
+    def all_reduce_counts(self, model_like) -> tuple[int, int]:
+        """Gradient all-reduces per step (one per array; with `bucket_bytes`, one per bucket)."""
+        is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+        arrays = jax.tree.leaves(eqx.filter(model_like, is_array))
+        keyed = []
+        for a, spec, ax in zip(arrays, jax.tree.leaves(self.specs, is_leaf=is_spec), self.grad_axes, strict=True):
+            split = _spec_axes(spec)
+            local = a.size // math.prod(self.mesh.shape[n] for n in split)
+            keyed.append(((ax, TENSOR in split) if ax else (), 4 * local))  # as bucketed_all_reduce groups them
+        return all_reduce_count(keyed, None), all_reduce_count(keyed, self.bucket_bytes)
 
     def check_batch(self, batch: Batch) -> None:
         if not isinstance(batch, Batch):
@@ -231,13 +244,16 @@ def manual_grad_fn(
     - `bucket_bytes`: pack the gradient all-reduces into fp32 buckets of at most
       this many bytes (`eqgpt.parallel.buckets`); `None`, one per array.
 
-    **Returns:** the gradient function; `aux` has `nll` and `z_loss` like `lm_loss`.
+    **Returns:** the gradient function; `aux` has `nll` and `z_loss` like `lm_loss`. Its
+    attribute `all_reduce_counts` is `(before, after)`: the gradient all-reduces per step
+    without buckets (one per array) and with `bucket_bytes`.
     Raises `ValueError` (before compiling) for sizes the mesh cannot split, and
     for batches that are not a `Batch`, carry per-row `positions`, or do not split.
     """
     plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
                  collective_matmul, bucket_bytes)
     mapped = plan.mapped(grad=True)
+    before, after = plan.all_reduce_counts(model_like)
 
     def grad_fn(model: PyTree, batch: Batch, loss_scale=None) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
         """**Arguments:** the plain model, a `Batch` and optionally the dynamic loss scale.
@@ -245,6 +261,7 @@ def manual_grad_fn(
         plan.check_batch(batch)
         return mapped(model, batch, scale_value(loss_scale))
 
+    grad_fn.all_reduce_counts = (before, after)
     return grad_fn
 
 
