@@ -33,6 +33,7 @@ from jaxtyping import Array
 
 from eqgpt.parallel.collectives import AxisName, all_reduce, varying_axes
 
+#: Bytes per MiB: `bucket_mb` and `--bucket-mb` are in MiB.
 MB = 2**20
 
 
