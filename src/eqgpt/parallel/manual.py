@@ -26,11 +26,10 @@ manual=True)` builds it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import equinox as eqx
 import jax

@@ -57,7 +57,12 @@ from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
 from eqgpt.parallel.auto import param_specs, path_str
-from eqgpt.parallel.collective_matmul import column_matmul, matmul_reduce_scatter, ring_all_gather, ring_chunks
+from eqgpt.parallel.collective_matmul import (
+    column_matmul,
+    matmul_reduce_scatter,
+    ring_all_gather,
+    ring_chunks,
+)
 from eqgpt.parallel.collectives import AxisName, all_reduce, axis_index, axis_size, to_varying
 from eqgpt.parallel.rules import TP, Rules
 from eqgpt.parallel.sequence import check_sequence_length, gather_sequence, scatter_sequence

@@ -321,7 +321,7 @@ def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BA
 def _sum_leaves(treedef, leaves, axes, bucket_bytes):
     """All-reduce `leaves` over their `axes` (in their dtype, bucketed in fp32 with `bucket_bytes`)."""
     if bucket_bytes is None:
-        return jax.tree.unflatten(treedef, [all_reduce(g, ax) if ax else g for g, ax in zip(leaves, axes)])
+        return jax.tree.unflatten(treedef, [all_reduce(g, ax) if ax else g for g, ax in zip(leaves, axes, strict=True)])
     return jax.tree.unflatten(treedef, bucketed_all_reduce(leaves, axes, bucket_bytes))
 
 
