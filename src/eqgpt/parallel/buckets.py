@@ -40,12 +40,12 @@ MB = 2**20
 def bucket_bytes_of(bucket_mb: float | None) -> int | None:
     """`bucket_mb` (MiB, as the `--bucket-mb` flag) in bytes; `None` stays `None` (no buckets).
 
-    Raises `ValueError` for a size <= 0.
+    Raises `ValueError` for a size <= 0 (or not finite).
     """
     if bucket_mb is None:
         return None
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be positive (MiB per gradient bucket), got {bucket_mb}; "
+    if not 0 < bucket_mb < math.inf:
+        raise ValueError(f"bucket_mb must be positive and finite (MiB per gradient bucket), got {bucket_mb}; "
                          "leave it unset for one all-reduce per array.")
     return max(1, int(bucket_mb * MB))
 
