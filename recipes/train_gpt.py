@@ -29,6 +29,7 @@ from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
+from eqgpt.parallel.communication import bucket_report
 from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text
@@ -170,6 +171,10 @@ class TrainConfig:
     """Keep the optimizer state in pinned host memory between steps (docs/memory.md)."""
     offload_params: bool = False
     """Keep the parameters in pinned host memory between steps too (with FSDP, each device's shard; docs/memory.md)."""
+    collective_matmul: bool = False
+    """With --manual and 'sp': each region's all-gather/reduce-scatter as a ring of permutes interleaved with the matmuls (docs/parallelism/sp.md)."""
+    bucket_mb: float | None = None
+    """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
@@ -227,7 +232,7 @@ def strategy_of(cfg: TrainConfig) -> Strategy:
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
                           virtual_stages=cfg.virtual_stages, pipeline_layers=cfg.pipeline_layers, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
                           offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
-                          expert=cfg.expert)
+                          expert=cfg.expert, collective_matmul=cfg.collective_matmul, bucket_mb=cfg.bucket_mb)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:
@@ -394,6 +399,8 @@ def main(cfg: TrainConfig) -> dict:
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+    if (buckets := bucket_report(strategy, model_like)) is not None:
+        log(buckets)
     out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
     log(f"run directory: {out}")
     if strategy.pipeline is not None:

@@ -51,8 +51,20 @@ STRATEGIES = {
                               "--microbatches", "4"],
     "pipeline=2,fsdp=2,tensor=2 zb1": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
                                        "--pipeline", "zb1", "--microbatches", "4"],
+    # Collective matmul and gradient buckets (eqgpt.parallel.communication), each next to the same strategy without.
+    "manual data=2,tensor=4 sp cm+buckets": ["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual",
+                                             "--collective-matmul", "--bucket-mb", "0.01"],
+    "manual data=2,tensor=4 tp": ["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual"],
+    "manual data=2,tensor=4 tp buckets": ["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual",
+                                          "--bucket-mb", "0.01"],
+    "manual data=8": ["--mesh", "data=8", "--strategy", "dp", "--manual"],
+    "manual data=8 buckets": ["--mesh", "data=8", "--strategy", "dp", "--manual", "--bucket-mb", "0.01"],
 }
-COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp")]
+# With the options on -> the same strategy with them off.
+COMMUNICATION = {"manual data=2,tensor=4 sp cm+buckets": "manual data=2,tensor=4 sp",
+                 "manual data=2,tensor=4 tp buckets": "manual data=2,tensor=4 tp",
+                 "manual data=8 buckets": "manual data=8"}
+COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp", *COMMUNICATION, *COMMUNICATION.values())]
 # Checkpoint portability: saved under each, restored under the next other than one device, so every
 # strategy restores another's checkpoint; the sharded checkpoint of fsdp+tp also restores on one device.
 PORTABLE = ["single", "fsdp+tp", "context=2,fsdp=2,tensor=2 ring", "pipeline=2,data=2,tensor=2 1f1b",
@@ -111,6 +123,13 @@ def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path_fa
     np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
 
 
+@pytest.mark.parametrize("on", [pytest.param(on, marks=pytest.mark.xdist_group(off)) for on, off in COMMUNICATION.items()])
+def test_collective_matmul_and_buckets_train_like_without_and_like_one_device(on, corpus, tmp_path_factory):
+    losses, _ = trained(on, corpus, tmp_path_factory)
+    np.testing.assert_allclose(losses, trained(COMMUNICATION[on], corpus, tmp_path_factory)[0], rtol=1e-5)
+    np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
+
+
 @pytest.mark.parametrize("saved", group(PORTABLE))
 def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_path_factory):
     ref = trained("single", corpus, tmp_path_factory)[0]
@@ -151,6 +170,15 @@ def test_zero_bubble_checkpoint_restores_on_one_device(corpus, tmp_path, tmp_pat
     (["--mesh", "pipeline=2,data=4", "--strategy", "dp", "--pipeline", "1f1b", "--pipeline-layers", "three"],
      "--pipeline-layers 'three': use 'equal', 'auto'"),
     (["--mesh", "data=8", "--strategy", "dp", "--batch-size", "12"], "multiple of 8"),
+    (["--mesh", "data=8", "--strategy", "dp", "--manual", "--bucket-mb", "0"], "bucket_mb must be positive"),
+    (["--mesh", "data=8", "--strategy", "dp", "--bucket-mb", "1"], r"bucket_mb \(--bucket-mb\).*add --manual"),
+    (["--mesh", "data=8", "--strategy", "dp", "--manual", "--collective-matmul"],
+     r"collective_matmul \(--collective-matmul\).*no tensor axis"),
+    (["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual", "--collective-matmul"],
+     r"collective_matmul \(--collective-matmul\) needs sequence parallelism"),
+    (["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--collective-matmul"], "add --manual"),
+    (["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual", "--collective-matmul", "--model.seq-len", "30"],
+     r"collective_matmul \(--collective-matmul\).*seq_len 30 is not divisible by 4"),
 ])
 def test_bad_strategies_fail_before_compiling(flags, match, corpus, tmp_path):
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(tmp_path), "--steps", "1", *flags]

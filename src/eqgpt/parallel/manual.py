@@ -6,7 +6,8 @@ Data parallelism by hand: every device of the data axes holds the whole model
 (`to_varying`), so `jax.grad` returns each device's gradient of its own rows and
 no communication is inserted for us; the gradients are then summed explicitly,
 in fp32, by one `all_reduce` per array: `2 (n-1)/n` of the parameter bytes per
-device and step (the analytic DP cost).
+device and step (the analytic DP cost). With `bucket_bytes` those all-reduces
+are packed into fp32 buckets (`eqgpt.parallel.buckets`): the same bytes, fewer calls.
 
 The loss is normalised by the *global* token count, so the per-device objective is
 `sum(nll over my rows) / count(all rows)` and the summed gradient is exact also
@@ -16,13 +17,16 @@ whatever their token counts).
 Tensor (and sequence) parallelism: inside the same `shard_map` the model's leaf
 layers are swapped for their tensor-parallel forms (`eqgpt.parallel.tensor`),
 transiently; the model passed in and the gradients returned have the plain
-model's structure. `manual_grad_fn` plugs into the trainer's
+model's structure. With `collective_matmul` (SP only) each region's all-gather and
+reduce-scatter run as rings interleaved with the matmuls
+(`eqgpt.parallel.collective_matmul`). `manual_grad_fn` plugs into the trainer's
 `grad_fn(model, batch) -> ((loss, aux), grads)` contract; `Strategy(...,
 manual=True)` builds it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +38,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
+from eqgpt.parallel.buckets import all_reduce_count, bucket_bytes_of, bucketed_all_reduce
 from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
 from eqgpt.parallel.expert import moe_layers
 from eqgpt.parallel.part import GradFn, LossFn, Part
@@ -53,13 +58,14 @@ TENSOR = "tensor"
 
 
 def reduce_gradients(
-    grads: PyTree[Array], axes: AxisName | Sequence[AxisName], *, op: str = "sum"
+    grads: PyTree[Array], axes: AxisName | Sequence[AxisName], *, op: str = "sum", bucket_bytes: int | None = None
 ) -> PyTree[Array]:
     """All-reduce gradients over data axes in fp32, whatever their dtype; cast back after.
 
     **Arguments:** `grads`; `axes`, one axis name (or tuple) for every array, or a
     list with one entry per array leaf of `grads` (in leaf order; `()` skips);
-    `op`, `"sum"` or `"mean"`.
+    `op`, `"sum"` or `"mean"`; `bucket_bytes`, pack the arrays that reduce over the
+    same axes into buckets of at most this many fp32 bytes (`None`: one all-reduce each).
 
     **Returns:** the reduced gradients, invariant over the axes. **Bytes per
     device:** `2 (n-1)/n` of the fp32 gradient bytes.
@@ -68,9 +74,7 @@ def reduce_gradients(
     per_leaf = [axes] * len(leaves) if isinstance(axes, str | tuple) else list(axes)
     if len(per_leaf) != len(leaves):
         raise ValueError(f"reduce_gradients got {len(per_leaf)} axis entries for {len(leaves)} gradients.")
-    out = [all_reduce(g.astype(jnp.float32), ax, op=op).astype(g.dtype) if ax else g
-           for g, ax in zip(leaves, per_leaf, strict=True)]
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, bucketed_all_reduce(leaves, per_leaf, bucket_bytes, op=op))
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
@@ -80,7 +84,8 @@ def _spec_axes(spec: PartitionSpec) -> set[str]:
 class _Plan:
     """What `manual_grad_fn` and `manual_loss_fn` share: axes, specs, the per-device loss."""
 
-    def __init__(self, model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy):
+    def __init__(self, model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
+                 collective_matmul=False, bucket_bytes=None):
         data_axes = tuple(data_axes)
         for a in (*data_axes, TENSOR):
             if a not in mesh.shape:
@@ -92,6 +97,7 @@ class _Plan:
                 "Add them to data_axes or use the automatic path for them."
             )
         self.mesh, self.sp = mesh, sequence_parallel
+        self.collective_matmul, self.bucket_bytes = collective_matmul, bucket_bytes
         self.chunk_size, self.z_loss = chunk_size, z_loss
         self.policy = Policy() if policy is None else policy
         self.dp = tuple(a for a in data_axes if mesh.shape[a] > 1)
@@ -101,6 +107,12 @@ class _Plan:
         self.tp = mesh.shape[TENSOR]
         if sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs a tensor axis of size > 1.")
+        if collective_matmul and not sequence_parallel:
+            raise ValueError("collective_matmul needs sequence parallelism on a tensor axis of size > 1 "
+                             "(--strategy dp+sp with --mesh tensor=N): it splits SP's all-gather and "
+                             "reduce-scatter into ring steps.")
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
         self.max_len = getattr(getattr(model_like, "config", None), "seq_len", None)
         self.specs = tensor_parallel_specs(model_like, mesh)
         self.array_specs = eqx.filter(self.specs, is_spec, is_leaf=is_spec)
@@ -117,6 +129,17 @@ class _Plan:
 
         # One entry per array, in leaf order (spec trees are matched to models by leaf order).
         self.grad_axes = [reduce_axes(spec) for spec in jax.tree.leaves(self.specs, is_leaf=is_spec)]
+
+    def all_reduce_counts(self, model_like) -> tuple[int, int]:
+        """Gradient all-reduces per step (one per array; with `bucket_bytes`, one per bucket)."""
+        is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+        arrays = jax.tree.leaves(eqx.filter(model_like, is_array))
+        keyed = []
+        for a, spec, ax in zip(arrays, jax.tree.leaves(self.specs, is_leaf=is_spec), self.grad_axes, strict=True):
+            split = _spec_axes(spec)
+            local = a.size // math.prod(self.mesh.shape[n] for n in split)
+            keyed.append(((ax, TENSOR in split) if ax else (), 4 * local))  # as bucketed_all_reduce groups them
+        return all_reduce_count(keyed, None), all_reduce_count(keyed, self.bucket_bytes)
 
     def check_batch(self, batch: Batch) -> None:
         if not isinstance(batch, Batch):
@@ -142,7 +165,8 @@ class _Plan:
         count = jnp.maximum(all_reduce(jnp.sum(mask), self.dp) if self.dp else jnp.sum(mask), 1.0)
         model = eqx.combine(self.policy.cast_to_compute(params), static)
         # Leaf layers -> tensor-parallel forms, hooks -> region entries; only inside this trace.
-        model = tensor_parallel(model, size=self.tp, axis=TENSOR, sequence_parallel=self.sp, seq_len=batch.shape[1])
+        model = tensor_parallel(model, size=self.tp, axis=TENSOR, sequence_parallel=self.sp, seq_len=batch.shape[1],
+                                collective_matmul=self.collective_matmul)
         nll, z, _ = vocab_parallel_loss_sums(
             model, batch.tokens, batch.targets, loss_mask=batch.loss_mask, segment_ids=batch.segment_ids,
             chunk_size=self.chunk_size, axis=TENSOR, sequence_parallel=self.sp,
@@ -166,7 +190,8 @@ class _Plan:
             return loss * scale, (loss, aux)
 
         (_, (loss, (nll, z))), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-        return self.finish(loss, nll, z), unscale(reduce_gradients(grads, self.grad_axes), scale)
+        grads = reduce_gradients(grads, self.grad_axes, bucket_bytes=self.bucket_bytes)
+        return self.finish(loss, nll, z), unscale(grads, scale)
 
     def local_forward(self, model, batch):
         params, static = eqx.partition(model, eqx.is_array)
@@ -191,6 +216,8 @@ def manual_grad_fn(
     chunk_size: int = 128,
     z_loss: float = 0.0,
     policy: Policy | None = None,
+    collective_matmul: bool = False,
+    bucket_bytes: int | None = None,
 ) -> GradFn:
     """A `grad_fn(model, batch) -> ((loss, aux), grads)` running the manual DP x TP (x SP) path.
 
@@ -211,13 +238,21 @@ def manual_grad_fn(
     - `policy`: the `eqgpt.precision.Policy`; parameters are cast to its compute
       dtype inside the differentiated function, so gradients come back in the
       parameter dtype (and are reduced in fp32 regardless).
+    - `collective_matmul`: under SP, rings of permutes interleaved with the matmuls
+      in place of each region's all-gather and reduce-scatter.
+    - `bucket_bytes`: pack the gradient all-reduces into fp32 buckets of at most
+      this many bytes (`eqgpt.parallel.buckets`); `None`, one per array.
 
-    **Returns:** the gradient function; `aux` has `nll` and `z_loss` like `lm_loss`.
+    **Returns:** the gradient function; `aux` has `nll` and `z_loss` like `lm_loss`. Its
+    attribute `all_reduce_counts` is `(before, after)`: the gradient all-reduces per step
+    without buckets (one per array) and with `bucket_bytes`.
     Raises `ValueError` (before compiling) for sizes the mesh cannot split, and
     for batches that are not a `Batch`, carry per-row `positions`, or do not split.
     """
-    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy)
+    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
+                 collective_matmul, bucket_bytes)
     mapped = plan.mapped(grad=True)
+    before, after = plan.all_reduce_counts(model_like)
 
     def grad_fn(model: PyTree, batch: Batch, loss_scale=None) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
         """**Arguments:** the plain model, a `Batch` and optionally the dynamic loss scale.
@@ -225,6 +260,7 @@ def manual_grad_fn(
         plan.check_batch(batch)
         return mapped(model, batch, scale_value(loss_scale))
 
+    grad_fn.all_reduce_counts = (before, after)
     return grad_fn
 
 
@@ -237,13 +273,14 @@ def manual_loss_fn(
     chunk_size: int = 128,
     z_loss: float = 0.0,
     policy: Policy | None = None,
+    collective_matmul: bool = False,
 ) -> LossFn:
     """The forward half of `manual_grad_fn`: `loss_fn(model, batch) -> (loss, aux)`.
 
     Same arguments as `manual_grad_fn`; for validation, and to read the forward
     program's collectives.
     """
-    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy)
+    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy, collective_matmul)
     mapped = plan.mapped(grad=False)
 
     def loss_fn(model: PyTree, batch: Batch) -> tuple[Array, dict[str, Array]]:
@@ -317,12 +354,14 @@ class ManualPart(Part):
     def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
         return manual_loss_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
-                              chunk_size=chunk_size, z_loss=z_loss)
+                              chunk_size=chunk_size, z_loss=z_loss, collective_matmul=strategy.collective_matmul)
 
     def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn:
         return manual_grad_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
-                              chunk_size=chunk_size, z_loss=z_loss, policy=policy)
+                              chunk_size=chunk_size, z_loss=z_loss, policy=policy,
+                              collective_matmul=strategy.collective_matmul,
+                              bucket_bytes=bucket_bytes_of(strategy.bucket_mb))
 
     def describe(self, strategy: Any) -> str:
         return "manual"

@@ -40,6 +40,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_loss
 from eqgpt.parallel.auto import check_divisibility
+from eqgpt.parallel.communication import CommunicationPart
 from eqgpt.parallel.context.kernel import ContextConfig
 from eqgpt.parallel.context.model import strip_context_attention
 from eqgpt.parallel.context.part import ContextPart
@@ -56,7 +57,8 @@ from eqgpt.precision import Policy
 
 # The parts a strategy's fields can ask for, in the order every method folds over them
 # (and `describe` lists them). A new kind of parallelism is one module and one entry here.
-PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart, ManualPart, OffloadPart)
+PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart, CommunicationPart, ManualPart,
+                                  OffloadPart)
 
 # How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
 RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
@@ -102,6 +104,8 @@ class Strategy:
     - `expert`: an `eqgpt.parallel.expert.ExpertConfig`: how MoE layers' experts run
       over the mesh's `expert` axis (default, whenever that axis is > 1: explicit
       all-to-alls; see `docs/parallelism/expert.md`).
+    - `collective_matmul`, `bucket_mb`: collective matmul under manual SP, and gradient
+      all-reduces in buckets of `bucket_mb` MiB (`eqgpt.parallel.communication`).
     - `extra_parts`: `eqgpt.parallel.part.Part`s of your own, folded after those
       the fields above ask for.
 
@@ -120,6 +124,8 @@ class Strategy:
     offload_params: bool = False
     expert: ExpertConfig | None = None
     extra_parts: tuple[Part, ...] = ()
+    collective_matmul: bool = False
+    bucket_mb: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rules", preset_rules(self.rules))
@@ -168,6 +174,8 @@ class Strategy:
         offload_opt_state: bool = False,
         offload_params: bool = False,
         expert: str | None = None,
+        collective_matmul: bool = False,
+        bucket_mb: float | None = None,
     ) -> Strategy:
         """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
 
@@ -176,14 +184,16 @@ class Strategy:
         `microbatches`, `virtual_stages`, `pipeline_layers` ("equal", "auto" or counts
         such as "4,4,4,0"), `context` ("ring", "allgather", "ulysses" or `None`),
         `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`,
-        `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis).
+        `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis),
+        `collective_matmul`, `bucket_mb` (`eqgpt.parallel.communication`).
         """
         pipe = (PipelineConfig(pipeline, microbatches, virtual_stages, PipelineConfig.parse_layers(pipeline_layers))
                 if pipeline else None)
         ctx = ContextConfig(impl=context) if context else None
         return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
                    offload_opt_state=offload_opt_state, offload_params=offload_params,
-                   expert=ExpertConfig(expert) if expert else None)
+                   expert=ExpertConfig(expert) if expert else None, collective_matmul=collective_matmul,
+                   bucket_mb=bucket_mb)
 
     # ------------------------------------------------------------------ what it uses
 

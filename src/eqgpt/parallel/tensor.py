@@ -36,7 +36,9 @@ In JAX they are not custom gradients: `f` is `pcast(x, to="varying")` and `g` is
 types (see `docs/parallelism/manual.md`). A transformer layer has one `f`/`g`
 pair around attention and one around the MLP: 2 all-reduces of `[b, T, D]`
 forward and 2 backward. With `sequence_parallel=True`, `f` becomes an all-gather
-on `seq` and `g` a reduce-scatter (`eqgpt.parallel.sequence`).
+on `seq` and `g` a reduce-scatter (`eqgpt.parallel.sequence`); with
+`collective_matmul=True` too, each is a ring of `n-1` permutes interleaved with
+the matmuls (`eqgpt.parallel.collective_matmul`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
 from eqgpt.parallel.auto import param_specs, path_str
+from eqgpt.parallel.collective_matmul import (
+    column_matmul,
+    matmul_reduce_scatter,
+    ring_all_gather,
+    ring_chunks,
+)
 from eqgpt.parallel.collectives import AxisName, all_reduce, axis_index, axis_size, to_varying
 from eqgpt.parallel.rules import TP, Rules
 from eqgpt.parallel.sequence import check_sequence_length, gather_sequence, scatter_sequence
@@ -82,8 +90,11 @@ def reduce_from_tensor(x: PyTree[Array], axis: AxisName) -> PyTree[Array]:
     return all_reduce(x, axis)
 
 
-def enter_region(x: Array, axis: AxisName, sequence_parallel: bool) -> Array:
-    """Into a tensor-parallel region: `f`, or under SP an all-gather of the sequence shards."""
+def enter_region(x: Array, axis: AxisName, sequence_parallel: bool, collective_matmul: bool = False) -> Array:
+    """Into a tensor-parallel region: `f`, or under SP an all-gather of the sequence shards
+    (with `collective_matmul`, a ring whose chunks the column-parallel layers multiply one by one)."""
+    if sequence_parallel and collective_matmul:
+        return ring_all_gather(x, axis, dim=1)
     return gather_sequence(x, axis) if sequence_parallel else copy_to_tensor(x, axis)
 
 
@@ -105,19 +116,20 @@ class TensorRegionHook(eqx.Module):
 
     Called with `REGION_INPUT` names (`("batch", "inner_seq", "embed")`, at the input
     of `Attention`, `MLP`, `SwiGLU`) it applies `f`, or under SP all-gathers the
-    sequence; any other names pass `x` through (inside `shard_map` every axis is
-    manual, so there is nothing to constrain).
+    sequence (with `collective_matmul`, as a ring of permutes); any other names pass
+    `x` through (inside `shard_map` every axis is manual, so there is nothing to constrain).
     """
 
     axis: str = eqx.field(static=True)
     sequence_parallel: bool = eqx.field(static=True, default=False)
+    collective_matmul: bool = eqx.field(static=True, default=False)
     _is_constraint: ClassVar[bool] = True
 
     def __call__(self, x: Array, names: AxisNames) -> Array:
         if x.ndim != len(names):
             raise ValueError(f"activation of shape {x.shape} given {len(names)} axis names {names}.")
         if tuple(names) == REGION_INPUT:
-            return enter_region(x, self.axis, self.sequence_parallel)
+            return enter_region(x, self.axis, self.sequence_parallel, self.collective_matmul)
         return x
 
 
@@ -147,6 +159,7 @@ class ColumnParallelLinear(eqx.Module):
     all-reduces the input gradient (a no-op here if the region's hook already
     applied it, so q, k and v share one all-reduce). Under SP, `seq_len` is the
     whole sequence length the input must have (else a `ValueError` naming `where`).
+    An input gathered by a collective-matmul ring is multiplied chunk by chunk.
     """
 
     linear: Linear
@@ -157,7 +170,10 @@ class ColumnParallelLinear(eqx.Module):
     def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch out_shard"]:
         """**Arguments:** `x`, whole. **Returns:** this device's output columns."""
         _check_whole_sequence(x, self.seq_len, self.where)
-        return self.linear(copy_to_tensor(x, self.axis))
+        if ring_chunks(x) is None:
+            return self.linear(copy_to_tensor(x, self.axis))
+        y = column_matmul(x, self.linear.weight.astype(x.dtype), self.axis, dim=x.ndim - 2)
+        return y if self.linear.bias is None else y + self.linear.bias.astype(y.dtype)
 
 
 class RowParallelLinear(eqx.Module):
@@ -166,18 +182,23 @@ class RowParallelLinear(eqx.Module):
     Each device multiplies its slice of the input features by its rows of the
     weight, giving a partial sum of the output; `g` (or, under SP, a
     reduce-scatter on `seq`, the dimension before the features) adds the
-    partials. The bias is added once, after the sum.
+    partials. The bias is added once, after the sum. With `collective_matmul` (SP
+    only) the matmul and the reduce-scatter run as one ring (`matmul_reduce_scatter`).
     """
 
     linear: Linear
     axis: str = eqx.field(static=True)
     sequence_parallel: bool = eqx.field(static=True, default=False)
+    collective_matmul: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Float[Array, "*batch in_shard"]) -> Float[Array, "*batch out_features"]:
         """**Arguments:** `x`, this device's input features. **Returns:** the full output
         (under SP this device's sequence shard of it)."""
-        partial = matmul_2d(x, self.linear.weight.astype(x.dtype))
-        y = exit_region(partial, self.axis, self.sequence_parallel, seq_dim=x.ndim - 2)
+        w = self.linear.weight.astype(x.dtype)
+        if self.collective_matmul:
+            y = matmul_reduce_scatter(x, w, self.axis, dim=x.ndim - 2)
+        else:
+            y = exit_region(matmul_2d(x, w), self.axis, self.sequence_parallel, seq_dim=x.ndim - 2)
         if self.linear.bias is not None:
             y = y + self.linear.bias.astype(y.dtype)
         return y
@@ -411,6 +432,7 @@ def tensor_parallel(
     axis: str = "tensor",
     sequence_parallel: bool = False,
     seq_len: int | None = None,
+    collective_matmul: bool = False,
 ) -> PyTree:
     """`module` with its leaf layers swapped for tensor-parallel forms, to run inside `shard_map`.
 
@@ -431,10 +453,15 @@ def tensor_parallel(
     - `seq_len`: under SP, the whole sequence length; a column-parallel layer fed
       anything else (a module that never entered its region) raises a
       `ValueError` naming it.
+    - `collective_matmul`: under SP, each region's all-gather and reduce-scatter run
+      as rings of permutes interleaved with the matmuls (`eqgpt.parallel.collective_matmul`).
 
     **Returns:** the swapped module. Raises `ValueError` when sizes do not split.
     """
     check_tensor_parallel(module, size)
+    if collective_matmul and not sequence_parallel:
+        raise ValueError("collective_matmul splits sequence parallelism's all-gather and reduce-scatter into ring "
+                         "steps; it needs sequence_parallel=True (use 'sp' in --strategy, e.g. dp+sp).")
     if sequence_parallel and seq_len is None:
         raise ValueError("tensor_parallel(..., sequence_parallel=True) needs seq_len, the whole sequence length "
                          "(column-parallel layers check that their region gathered it).")
@@ -453,7 +480,7 @@ def tensor_parallel(
             if _tp_name(m.axes[1]):
                 return ColumnParallelLinear(m, axis, path_str(path), None if m.axes[1] == "vocab" else check)
             if _tp_name(m.axes[0]):
-                return RowParallelLinear(m, axis, sequence_parallel)
+                return RowParallelLinear(m, axis, sequence_parallel, collective_matmul)
         elif _is_vocab_embedding(m):
             return VocabParallelEmbedding(m, axis, size, sequence_parallel)
         elif isinstance(m, Embedding) and sequence_parallel:
@@ -463,7 +490,7 @@ def tensor_parallel(
     module = jax.tree_util.tree_map_with_path(swap_kv, module, is_leaf=lambda x: isinstance(x, Attention))
     leaf = lambda x: isinstance(x, Linear | Embedding | ReplicatedKVLinear)  # noqa: E731
     module = jax.tree_util.tree_map_with_path(swap_leaf, module, is_leaf=leaf)
-    return map_constraints(module, lambda _path, _hook: TensorRegionHook(axis, sequence_parallel))
+    return map_constraints(module, lambda _path, _hook: TensorRegionHook(axis, sequence_parallel, collective_matmul))
 
 
 def tensor_parallel_specs(module: PyTree, mesh: Mesh, *, axis: str = "tensor") -> PyTree:

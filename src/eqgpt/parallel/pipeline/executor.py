@@ -41,7 +41,10 @@ Data parallelism: the batch is split over `data` and `fsdp`; every device
 accumulates *local* gradients over all its microbatches and the step reduces them
 once at the end: a `psum` over `data`, and a `psum_scatter` over `fsdp` along
 the dimensions FSDP shards (FSDP parameters are all-gathered once per step
-on entry). The `tensor` axis is left to the automatic partitioner: weights that
+on entry). With `bucket_bytes` the end-of-step all-reduces (over `pipeline` for
+the embedding and head, over the data axes for every array FSDP does not shard)
+are packed into fp32 buckets (`eqgpt.parallel.buckets`): the same bytes in fewer
+calls; FSDP's reduce-scatters stay one per array. The `tensor` axis is left to the automatic partitioner: weights that
 the rules split over `tensor` stay split inside each stage and XLA inserts the
 Megatron all-reduces.
 
@@ -103,6 +106,7 @@ from eqgpt.nn.loss import chunked_cross_entropy
 from eqgpt.nn.moe import MoEStats, moe_loss
 from eqgpt.nn.protocol import check_language_model, num_layers
 from eqgpt.parallel.auto import param_specs
+from eqgpt.parallel.buckets import bucketed_all_reduce
 from eqgpt.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -304,25 +308,36 @@ def _gather_params(tree, axes_tree, lead: int = 0):
     return jax.tree.map(one, tree, axes_tree)
 
 
-def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BATCH_AXES):
-    """Sum local gradients over all `sum_axes` devices, keeping FSDP's shards (once per step)."""
+def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BATCH_AXES,
+                  bucket_bytes: int | None = None):
+    """Sum local gradients over all `sum_axes` devices, keeping FSDP's shards (once per step);
+    the all-reduces packed into buckets of `bucket_bytes` (`None`: one per array)."""
 
-    def one(g, ba: BatchAxes):
+    def scatter(g, ba: BatchAxes):
         used = set()
         for dim, axes in enumerate(ba.dims):
             used.update(axes)  # an expert's gradient lives on its device only
             axes = tuple(a for a in axes if a in BATCH_AXES)
             if axes:
                 g = reduce_scatter(g, axes, dim=lead + dim)
-        rest = tuple(a for a in sum_axes if a not in used)
-        return all_reduce(g, rest) if rest else g
+        return g, tuple(a for a in sum_axes if a not in used)
 
-    return jax.tree.map(one, tree, axes_tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    done = [scatter(g, ba) for g, ba in zip(leaves, treedef.flatten_up_to(axes_tree), strict=True)]
+    return _sum_leaves(treedef, [g for g, _ in done], [ax for _, ax in done], bucket_bytes)
+
+
+def _sum_leaves(treedef, leaves, axes, bucket_bytes):
+    """All-reduce `leaves` over their `axes` (in their dtype, bucketed in fp32 with `bucket_bytes`)."""
+    if bucket_bytes is None:
+        return jax.tree.unflatten(treedef, [all_reduce(g, ax) if ax else g for g, ax in zip(leaves, axes, strict=True)])
+    return jax.tree.unflatten(treedef, bucketed_all_reduce(leaves, axes, bucket_bytes))
 
 
 def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
                block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None,
-               moe: MoEConfig | None = None, moe_layers: int = 0, padded: bool = False):
+               moe: MoEConfig | None = None, moe_layers: int = 0, padded: bool = False,
+               bucket_bytes: int | None = None):
     """The `shard_map`ped step `(staged blocks, slots, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
 
     `slots` (`stage_slots`, placed like the blocks) says which layer slots of each
@@ -338,6 +353,8 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
     losses to the loss term of each microbatch it runs forward, and their router
     statistics to the step's (`eqgpt.nn.moe.MoEStats`, summed over microbatches,
     stages and devices); the loss's cotangent is the loss scale on every stage.
+
+    `bucket_bytes`: the end-of-step gradient all-reduces in buckets (`_reduce_grads`).
     """
     p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
     lowered = lower(schedule)
@@ -485,8 +502,11 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
         # stage's MoE terms) and over the data-parallel devices; embedding/head
         # gradients summed over stages.
         terms = all_reduce(terms, (PIPELINE, *token_axes))
-        g_rest = _reduce_grads(all_reduce(g_rest, PIPELINE), rest_axes, sum_axes=token_axes)
-        g_blocks = jax.tree.map(lambda g: g[None], _reduce_grads(g_blocks, block_axes, lead=2, sum_axes=token_axes))
+        rest_leaves, rest_def = jax.tree.flatten(g_rest)
+        g_rest = _sum_leaves(rest_def, rest_leaves, [PIPELINE] * len(rest_leaves), bucket_bytes)
+        g_rest = _reduce_grads(g_rest, rest_axes, sum_axes=token_axes, bucket_bytes=bucket_bytes)
+        g_blocks = _reduce_grads(g_blocks, block_axes, lead=2, sum_axes=token_axes, bucket_bytes=bucket_bytes)
+        g_blocks = jax.tree.map(lambda g: g[None], g_blocks)
         return terms, unscale(g_blocks, scale), unscale(g_rest, scale)
 
     block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), block_axes)
@@ -511,6 +531,7 @@ def pipeline_grad_fn(
     policy: Policy | None = None,
     context: Any = None,
     layers_per_stage: tuple[int, ...] | str = "equal",
+    bucket_bytes: int | None = None,
 ) -> PipelineGradFn:
     """A `grad_fn(model, batch) -> ((loss, aux), grads)` that runs a pipeline schedule.
 
@@ -535,6 +556,8 @@ def pipeline_grad_fn(
       stage), `"auto"` (`balance.balanced_layers`: the first and last stages
       take fewer layers for the embedding and the head, by measured FLOPs), or a
       count per virtual stage `chunk * p + stage`.
+    - `bucket_bytes`: pack the end-of-step gradient all-reduces into fp32 buckets of
+      at most this many bytes (`eqgpt.parallel.buckets`); `None`, one per array.
 
     **Returns:** the gradient function of a model that satisfies
     `eqgpt.nn.LanguageModel` and an `eqgpt.data.Batch` (without per-row
@@ -554,20 +577,24 @@ def pipeline_grad_fn(
     if not isinstance(layers_per_stage, str):
         layers_per_stage = tuple(int(n) for n in layers_per_stage)
         check_layers(layers_per_stage, sum(layers_per_stage), schedule.num_virtual_stages)
+    if bucket_bytes is not None and bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
     return PipelineGradFn(mesh, schedule, rules, chunk_size, z_loss, Policy() if policy is None else policy, context,
-                          layers_per_stage)
+                          layers_per_stage, bucket_bytes)
 
 
 class PipelineGradFn:
     """The callable `pipeline_grad_fn` returns; also reports the schedule and compiled memory.
 
-    **Attributes:** `mesh`, `schedule`, `rules`, `policy`, `context`, `layers_per_stage`.
+    **Attributes:** `mesh`, `schedule`, `rules`, `policy`, `context`, `layers_per_stage`, `bucket_bytes`.
     """
 
     def __init__(self, mesh: Mesh, schedule: Schedule, rules: Rules | None, chunk_size: int, z_loss: float,
-                 policy: Policy, context: Any, layers_per_stage: tuple[int, ...] | str = "equal"):
+                 policy: Policy, context: Any, layers_per_stage: tuple[int, ...] | str = "equal",
+                 bucket_bytes: int | None = None):
         self.mesh, self.schedule, self.rules, self.policy, self.context = mesh, schedule, rules, policy, context
         self.chunk_size, self.z_loss, self.layers_per_stage = chunk_size, z_loss, layers_per_stage
+        self.bucket_bytes = bucket_bytes
         self._splits: dict[tuple, tuple[int, ...]] = {}
         self._jitted = eqx.filter_jit(self._grad)
 
@@ -655,7 +682,7 @@ class PipelineGradFn:
         moe_layers = 0 if moe is None else model.config.num_layers // moe.every
         step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
                           width=width, policy=self.policy, context_axis=context_axis, moe=moe, moe_layers=moe_layers,
-                          padded=padded)
+                          padded=padded, bucket_bytes=self.bucket_bytes)
         stage_counts = counts if padded else None
         slots = jnp.asarray(stage_slots(p, v, counts))
         staged = jax.tree.map(lambda a: to_stages(a, p, v, stage_counts), blocks)

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from eqgpt.nn.protocol import num_layers
+from eqgpt.parallel.buckets import bucket_bytes_of
 from eqgpt.parallel.part import GradFn, Part
 from eqgpt.parallel.pipeline.executor import PP, ROW_AXES, bubble_report, check_pipeline, pipeline_grad_fn
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
@@ -115,7 +116,8 @@ class PipelinePart(Part):
                 model_like: PyTree) -> GradFn:
         return pipeline_grad_fn(strategy.mesh, pipeline_schedule(strategy.mesh, self.config),
                                 rules=strategy.param_rules, chunk_size=chunk_size, z_loss=z_loss, policy=policy,
-                                context=strategy.context, layers_per_stage=self.config.layers_per_stage)
+                                context=strategy.context, layers_per_stage=self.config.layers_per_stage,
+                                bucket_bytes=bucket_bytes_of(strategy.bucket_mb))
 
     def describe(self, strategy: Any) -> str:
         split = self.config.layers_per_stage
