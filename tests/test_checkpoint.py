@@ -196,7 +196,7 @@ def test_every_checkpoint_damaged(tmp_path):
     with Checkpointer(tmp_path, async_save=False) as ck:
         ck.save(1, state)
     os.remove(tmp_path / "1" / "meta" / "metadata")
-    with pytest.raises(CorruptCheckpointError, match=r"no usable checkpoint .*checkpoint 1: FileNotFoundError"):
+    with pytest.raises(CorruptCheckpointError, match=r"no usable checkpoint .*checkpoint 1: DamagedFileError: file .*meta/metadata is missing"):
         Checkpointer(tmp_path).restore(state)
 
 

@@ -9,14 +9,18 @@ A checkpoint of step `s` is the directory `<dir>/<s>/` with three Orbax items:
 - `config/metadata`: the run's configuration as readable JSON.
 - `meta/metadata`: JSON with the step, the data position (`extras`) and a
   checksum of every array.
+- `files.json`: the size and CRC-32 of every file above, written last, just
+  before the commit (`eqgpt.train.integrity`).
 
 Writes go to a temporary directory that Orbax renames into place only after
 every process has finished (its atomic-rename commit protocol), so an
 interrupted write never appears as a step. Restoring re-checks what the rename
-cannot: the configuration must match the running one, every array must exist
-with the expected shape and dtype, and every array's checksum must match. A
-damaged checkpoint is skipped with a message naming the problem and the
-fallback; an incompatible one stops the run with a message naming the field.
+cannot: every file must match `files.json` (a damaged file is named), the
+configuration must match the running one, every array must exist with the
+expected shape and dtype, and every array's checksum must match. A damaged
+checkpoint is skipped with a warning naming the step, the file and the
+fallback (or, with `strict=True`, refused); an incompatible one stops the run
+with a message naming the field.
 
 Restoring takes its shardings from the *restoring* run: the target is this
 run's state (concrete, or abstract `jax.ShapeDtypeStruct`s with `sharding=`),
@@ -39,10 +43,12 @@ import orbax.checkpoint as ocp
 from jaxtyping import Array, PyTree, UInt32
 
 from eqgpt.distributed import is_main_process
+from eqgpt.train.integrity import MANIFEST, SealedRename, verify_files
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "eqgpt-checkpoint/1"
+FORMAT = "eqgpt-checkpoint/2"  # /2: sealed with files.json
+_FORMATS = ("eqgpt-checkpoint/1", FORMAT)  # /1 (no files.json) still restores, checked by array checksums
 
 
 class CheckpointError(ValueError):
@@ -297,6 +303,10 @@ class Checkpointer:
         if not isinstance(self.config, dict):
             raise ValueError(f"config must be a mapping or dataclass, got {type(config).__name__}.")
         self.must_match = tuple(must_match)
+        # Noted before Orbax removes them: a run whose every write was interrupted has no
+        # checkpoint, but it did start (the recipe then refuses to start afresh unasked).
+        self.interrupted_writes = sorted(
+            p.name for p in self.directory.glob("*.orbax-checkpoint-tmp*")) if self.directory.is_dir() else []
         policies = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
@@ -304,6 +314,7 @@ class Checkpointer:
             save_decision_policy=policies.FixedIntervalPolicy(every),
             cleanup_tmp_directories=True,  # leftovers of interrupted writes
             create=True,
+            temporary_path_class=SealedRename,  # writes files.json just before the commit
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
@@ -403,7 +414,7 @@ class Checkpointer:
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         )
         config, meta = got["config"], got["meta"]
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") not in _FORMATS:
             raise CorruptCheckpointError(f"its meta item is not an {FORMAT} record")
         if int(meta.get("step", -1)) != step:
             raise CorruptCheckpointError(f"its meta item says step {meta.get('step')}")
@@ -453,7 +464,10 @@ class Checkpointer:
     def _restore_one(self, step: int, target: PyTree) -> Restored:
         leaves = named_leaves(target)
         targets = {n: _abstract(x) for n, x in leaves.items() if _is_array(x)}
+        sealed = verify_files(self.directory / str(step))  # names a missing, truncated or altered file
         config, meta = self._read_json(step)
+        if meta.get("format") == FORMAT and not sealed:
+            raise CorruptCheckpointError(f"{MANIFEST} is missing (every {FORMAT} checkpoint has one)")
         self._check_config(step, config)
         self._check_layout(step, targets)
         got = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_nest(targets))))
@@ -483,24 +497,28 @@ class Checkpointer:
         state = jax.tree.unflatten(jax.tree.structure(target), restored)
         return Restored(state, step, dict(meta.get("extras", {})), dict(config))
 
-    def restore(self, target: PyTree, step: int | None = None) -> Restored | None:
+    def restore(self, target: PyTree, step: int | None = None, *, strict: bool = False) -> Restored | None:
         """Restore a checkpoint into the structure and shardings of `target`.
 
         With `step=None` the newest committed checkpoint is tried first; a damaged
-        one (unreadable metadata, missing files, checksum mismatch) is logged as
-        `"checkpoint 30 is corrupt (...); falling back to 20"` and the next older
-        one is tried. A checkpoint of a different model (config fields in
-        `must_match`, array names, shapes or dtypes) raises
-        `IncompatibleCheckpointError` at once: no fallback can fix that.
+        one (a file that differs from `files.json`, unreadable metadata, a checksum
+        mismatch) is logged as `"checkpoint 30 in DIR is corrupt (file DIR/30/state/d/...
+        has 100 bytes, 267 when saved ...); falling back to 20"`, the next older one is
+        tried, and the damaged ones are renamed `30.corrupt` (never deleted). A checkpoint
+        of a different model (config fields in `must_match`, array names, shapes or
+        dtypes) raises `IncompatibleCheckpointError` at once: no fallback can fix that.
 
         **Arguments:**
 
         - `target`: this run's state (concrete arrays, or `jax.ShapeDtypeStruct`s
           with `sharding=`): its shardings decide where the restored shards go.
         - `step`: a particular step (no fallback), or `None` for the latest good one.
+        - `strict`: refuse (raise `CorruptCheckpointError`) when the newest checkpoint is
+          damaged, instead of falling back; nothing is renamed.
 
         **Returns:** a `Restored`, or `None` when the directory holds no checkpoint.
-        Raises `CorruptCheckpointError` when every candidate is damaged.
+        Raises `CorruptCheckpointError` when every candidate is damaged (or, with
+        `strict`, the first one).
         """
         steps = self.steps()
         if step is not None:
@@ -529,6 +547,13 @@ class Checkpointer:
             reason = _describe(error) if error is not None else "another process could not read it"
             skipped.append((s, reason))
             following = candidates[i + 1] if i + 1 < len(candidates) else None
+            if strict:
+                raise CorruptCheckpointError(
+                    f"checkpoint {s} in {self.directory} is corrupt ({reason}). Strict: not falling back"
+                    + (f" to {following}" if following is not None else "")
+                    + "; nothing was changed. Resume without strict to continue from the newest intact "
+                    "checkpoint, or repair the file."
+                )
             if step is None:
                 logger.warning(
                     "checkpoint %d in %s is corrupt (%s); %s", s, self.directory, reason,
@@ -536,8 +561,8 @@ class Checkpointer:
                 )
         listing = "; ".join(f"checkpoint {t}: {r}" for t, r in skipped)
         raise CorruptCheckpointError(
-            f"no usable checkpoint in {self.directory} ({listing}). Delete the damaged step directories "
-            "to start over, or point the run at another directory."
+            f"no usable checkpoint in {self.directory} ({listing}). Nothing was deleted: repair or move the "
+            "damaged step directories to start over, or point the run at another directory."
         )
 
     def _set_aside(self, steps: Sequence[int]) -> None:
