@@ -68,3 +68,81 @@ def test_corrupt_checkpoint_is_named_and_skipped_or_refused(tmp_path, kind, capl
     # Nothing deleted: the damaged checkpoint is set aside whole, as `20.corrupt`.
     after = files_under(tmp_path)
     assert {k.replace("20.corrupt/", "20/", 1): v for k, v in after.items()} == before
+
+
+# --- stops: too many skipped updates, divergence ------------------------------------------------
+
+
+def _arrays(state):
+    import equinox as eqx
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))]
+
+
+def test_guards_stop_with_their_codes_and_save_the_last_good_state(tmp_path, capsys):
+    """NaN batches (3 in a row, --max-skipped 3) and a learning-rate spike (real divergence, K=3)
+    stop the Trainer with exit codes 76 and 77; the checkpoint holds the state of the last good step."""
+    import dataclasses
+
+    import jax
+    import optax
+
+    from eqgpt.data import BatchLoader
+    from eqgpt.train import SingleDevice, Trainer, TrainerConfig, TrainState, make_train_step
+    from eqgpt.train.guards import DIVERGED_EXIT_CODE, NON_FINITE_EXIT_CODE
+    from mp.common import CONFIG, corpus, host_model
+
+    nan_steps, spike_at, window = (5, 6, 7), 8, 3
+
+    class Masked(BatchLoader):  # every batch carries a loss mask; NaN in it at `nan_steps`
+        poisoned = ()
+
+        def local_batch(self, step):
+            b = super().local_batch(step)
+            mask = np.full(b.tokens.shape, np.nan if step in self.poisoned else 1.0, np.float32)
+            return dataclasses.replace(b, loss_mask=mask)
+
+    def run(optimizer, steps, poisoned=(), directory=None, **guards):
+        model = jax.device_put(host_model())
+        state = TrainState(model, optimizer.init(model), rng=jax.random.key(1))
+        loader = Masked(corpus(), batch_size=8, seq_len=CONFIG.seq_len, seed=0)
+        loader.poisoned = poisoned
+        ckpt = None if directory is None else Checkpointer(directory, every=5, keep=20)
+        config = TrainerConfig(steps=steps, log_every=1, eval_every=0, progress=False, **guards)
+        t = Trainer(_STEPS[optimizer], state, loader, SingleDevice(), config=config, checkpointer=ckpt)
+        return t, t.run()
+
+    adam = optax.adam(1e-3)
+    spiky = optax.adam(lambda step: jnp.where(step == spike_at, 30.0, 1e-3))
+    _STEPS = {opt: make_train_step(opt) for opt in (adam, spiky)}
+
+    # Non-finite: steps 5, 6, 7 skipped -> stop after 8 steps; parameters are those after step 4.
+    t, final = run(adam, 20, nan_steps, tmp_path / "nan", max_skipped=3)
+    assert t.fault.code == NON_FINITE_EXIT_CODE == 76 and t.fault.step == 8 and "3 updates in a row" in t.fault.message
+    assert "stopped after step 8" in capsys.readouterr().out
+    restored = Checkpointer(tmp_path / "nan").restore(final)
+    assert restored.step == 8 and int(restored.state.skipped) == 3 and int(restored.state.step) == 8
+    _, good = run(adam, nan_steps[0])  # uninterrupted, to the last good update
+    for a, b in zip(_arrays(restored.state), _arrays(good), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # Divergence: the update of step 8 uses lr 30; losses of steps 9, 10, 11 are far above the mean.
+    t, final = run(spiky, 20, directory=tmp_path / "div", divergence_factor=1.5, divergence_window=window)
+    assert t.fault.code == DIVERGED_EXIT_CODE == 77 and t.fault.step == spike_at + 1 + window
+    assert t.fault.good_step == spike_at + 1 and int(final.step) == spike_at + 1
+    ck = Checkpointer(tmp_path / "div")
+    assert ck.steps() == [5, 9]  # checkpoint 10 (diverged) is set aside, not deleted
+    assert [p.name for p in (tmp_path / "div").glob("*.diverged")] == ["10.diverged"]
+    restored = ck.restore(final)
+    _, good = run(spiky, spike_at + 1)
+    for a, b in zip(_arrays(restored.state), _arrays(good), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # Bad settings are refused, naming the flag.
+    from eqgpt.train.guards import Guard
+
+    for kw, flag in (({"max_skipped": -1}, "--max-skipped"), ({"divergence_factor": 0.5}, "--divergence-factor"),
+                     ({"divergence_window": 0}, "--divergence-window")):
+        with pytest.raises(ValueError, match=flag):
+            Guard(**kw)

@@ -542,7 +542,7 @@ class Checkpointer:
                 error, result = e, None
             if _all_ok(error is None):
                 if skipped:
-                    self._set_aside([t for t, _ in skipped])
+                    self.set_aside([t for t, _ in skipped])
                 return dataclasses.replace(result, skipped=tuple(skipped))
             reason = _describe(error) if error is not None else "another process could not read it"
             skipped.append((s, reason))
@@ -565,18 +565,22 @@ class Checkpointer:
             "damaged step directories to start over, or point the run at another directory."
         )
 
-    def _set_aside(self, steps: Sequence[int]) -> None:
-        """Rename damaged newer steps to `<step>.corrupt` so the resumed run can save those steps again."""
+    def set_aside(self, steps: Sequence[int], label: str = "corrupt") -> None:
+        """Rename checkpoints to `<step>.<label>` (kept for inspection, never listed or deleted), so that a
+        resume skips them and the resumed run can save those steps again. Every process calls it.
+
+        **Arguments:** `steps`, `label` (`"corrupt"`: damaged; `"diverged"`: written after a divergence).
+        """
         if is_main_process():
             for s in steps:
                 src = self.directory / str(s)
-                dst = self.directory / f"{s}.corrupt"
+                dst = self.directory / f"{s}.{label}"
                 n = 1
                 while dst.exists():
-                    dst, n = self.directory / f"{s}.corrupt{n}", n + 1
+                    dst, n = self.directory / f"{s}.{label}{n}", n + 1
                 if src.exists():
                     src.rename(dst)
-                    logger.warning("moved damaged checkpoint %s to %s", src, dst)
+                    logger.warning("moved checkpoint %s to %s", src, dst)
         _barrier(f"eqgpt-checkpoint-set-aside-{'-'.join(map(str, steps))}")
         self._manager.reload()
 
