@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -303,8 +304,9 @@ class Checkpointer:
         if not isinstance(self.config, dict):
             raise ValueError(f"config must be a mapping or dataclass, got {type(config).__name__}.")
         self.must_match = tuple(must_match)
-        # Noted before Orbax removes them: a run whose every write was interrupted has no
-        # checkpoint, but it did start (the recipe then refuses to start afresh unasked).
+        # Leftovers of interrupted writes stay until this run's first save removes them: a run whose
+        # every write was interrupted has no checkpoint but did start (the recipe refuses to start
+        # afresh unasked, and says so again on every attempt until asked).
         self.interrupted_writes = sorted(
             p.name for p in self.directory.glob("*.orbax-checkpoint-tmp*")) if self.directory.is_dir() else []
         policies = ocp.checkpoint_managers
@@ -312,7 +314,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             preservation_policy=policies.LatestN(keep),
             save_decision_policy=policies.FixedIntervalPolicy(every),
-            cleanup_tmp_directories=True,  # leftovers of interrupted writes
+            cleanup_tmp_directories=False,  # leftovers of interrupted writes: removed by the first save
             create=True,
             temporary_path_class=SealedRename,  # writes files.json just before the commit
         )
@@ -353,6 +355,8 @@ class Checkpointer:
         **Returns:** whether a checkpoint was started.
         """
         step = int(step)
+        if self.interrupted_writes:
+            self._remove_leftovers()
         if step in self._manager.all_steps():
             logger.info("checkpoint %d already exists in %s; not rewritten", step, self.directory)
             return False
@@ -384,6 +388,13 @@ class Checkpointer:
             ),
             force=True,
         ))
+
+    def _remove_leftovers(self) -> None:
+        if is_main_process():
+            for name in self.interrupted_writes:
+                shutil.rmtree(self.directory / name, ignore_errors=True)
+        self.interrupted_writes = []
+        _barrier("eqgpt-checkpoint-leftovers")
 
     def maybe_save(self, step: int, state: PyTree, *, extras: Mapping[str, Any] | None = None,
                    force: bool = False) -> bool:
