@@ -187,3 +187,41 @@ def test_killed_during_saves_resumes_bitwise(tmp_path):
             assert loss == reference[int(step)], (attempt, step, loss, reference[int(step)])
             compared += 1
     assert compared > len(reference) and max(reference) >= kills  # resumed steps were replayed and compared
+
+
+# --- a full disk ---------------------------------------------------------------------------------
+
+
+def _can_mount_tmpfs(directory: Path) -> bool:
+    import shutil
+    import subprocess
+
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            f"mount -t tmpfs -o size=64k tmpfs '{directory}'"], capture_output=True)
+    return probe.returncode == 0
+
+
+def test_disk_full_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path):
+    """A save into a full file system: a real 1 MiB tmpfs filled up (mounted in a user namespace), or where
+    namespaces are not allowed, a file-size limit that fails every larger write the same way (EFBIG)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    script = f"{sys.executable} {HERE / 'mp' / 'disk_full.py'} '{mount}'"
+    if _can_mount_tmpfs(mount):
+        command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                   f"mount -t tmpfs -o size=1m tmpfs '{mount}' && exec {script} tmpfs"]
+        reason = "No space left on device"
+    else:
+        command, reason = ["sh", "-c", f"exec {script} fsize"], "File too large"
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = proc.stdout
+    assert proc.returncode == 0, out[-2000:] + proc.stderr[-3000:]
+    error = next(line for line in out.splitlines() if line.startswith("ERROR "))
+    assert "could not write checkpoint 2" in error and reason in error, error
+    assert "checkpoint 1 (the newest before it) is intact and restorable" in error and "--resume" in error
+    assert "RESTORED 1" in out  # checked against files.json and the array checksums, nothing skipped

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -58,6 +59,13 @@ class CheckpointError(ValueError):
 
 class IncompatibleCheckpointError(CheckpointError):
     """The checkpoint belongs to a different model or state layout than this run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, lost permissions, a failing file system).
+
+    The write is never committed; the checkpoints before it stay intact and restorable.
+    """
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -321,6 +329,7 @@ class Checkpointer:
         handlers = {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._pending: int | None = None  # the step being written in the background
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r}, every={self.every}, keep={self.keep})"
@@ -355,6 +364,7 @@ class Checkpointer:
         **Returns:** whether a checkpoint was started.
         """
         step = int(step)
+        self.wait()  # the previous write's failure, if any, is reported (and named) here
         if self.interrupted_writes:
             self._remove_leftovers()
         if step in self._manager.all_steps():
@@ -379,15 +389,31 @@ class Checkpointer:
             "scalars": scalars,
             "process_count": jax.process_count(),
         }
-        return bool(self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_nest(arrays)),
-                config=ocp.args.JsonSave(self.config),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        ))
+        self._pending = step
+        started = self._reporting_failure(self._manager.save, step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_nest(arrays)),
+            config=ocp.args.JsonSave(self.config),
+            meta=ocp.args.JsonSave(meta),
+        ), force=True)
+        return bool(started)
+
+    def _reporting_failure(self, fn, *args, **kwargs):
+        """`fn(...)`, turning any failure of the write in flight into a `CheckpointWriteError`."""
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the file system says, name the step
+            step, self._pending = self._pending, None
+            intact = [s for s in self.steps() if s != step]
+            kept = (f"checkpoint {intact[-1]} (the newest before it) is intact and restorable"
+                    if intact else "no earlier checkpoint exists")
+            raise CheckpointWriteError(
+                f"could not write checkpoint {step} to {self.directory} ({_os_reason(e) or _describe(e)}); "
+                "it was not committed, "
+                f"and {kept}. Free space on that file system (or choose another checkpoint directory), "
+                "then rerun with --resume."
+            ) from e
 
     def _remove_leftovers(self) -> None:
         if is_main_process():
@@ -404,13 +430,19 @@ class Checkpointer:
         return False
 
     def wait(self) -> None:
-        """Block until every background write is committed (call before exiting)."""
-        self._manager.wait_until_finished()
+        """Block until every background write is committed (call before exiting).
+
+        **Raises** `CheckpointWriteError` naming the step when a write failed (e.g. the disk is full).
+        """
+        self._reporting_failure(self._manager.wait_until_finished)
+        self._pending = None
 
     def close(self) -> None:
         """`wait`, then release Orbax's threads."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -596,6 +628,20 @@ class Checkpointer:
         self._manager.reload()
 
 
+def _os_reason(error: BaseException) -> str | None:
+    """`"OSError 28: No space left on device"` from an error (or its causes) that carries an errno."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno:
+            return f"OSError {error.errno}: {os.strerror(error.errno)}"
+        found = re.search(r"os_error_code='?(\d+)", str(error))  # TensorStore's errors carry it in the text
+        if found:
+            path = re.search(r'Failed writing: "([^"]+)"', str(error))
+            return f"OSError {found.group(1)}: {os.strerror(int(found.group(1)))}" + (
+                f" writing {path.group(1)}" if path else "")
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     for noise in (" [tensorstore_spec", " See full TensorStore details"):  # long specs say little
@@ -607,5 +653,5 @@ def _describe(error: BaseException) -> str:
 
 __all__ = [
     "Checkpointer", "Restored", "CheckpointError", "IncompatibleCheckpointError",
-    "CorruptCheckpointError", "abstract_state", "named_leaves", "leaf_name", "checksums",
+    "CorruptCheckpointError", "CheckpointWriteError", "abstract_state", "named_leaves", "leaf_name", "checksums",
 ]
