@@ -155,8 +155,8 @@ def test_interrupted_write_is_never_used(tmp_path):
     np.testing.assert_array_equal(got.state["w"], np.arange(4096, dtype=np.float32).reshape(64, 64))
     assert ck.interrupted_writes and glob.glob(str(tmp_path / "2.orbax-checkpoint-tmp*"))  # kept until a save
     ck.save(2, got.state)  # the step can be written again
-    assert not glob.glob(str(tmp_path / "2.orbax-checkpoint-tmp*"))  # the first save removed the leftovers
     ck.close()
+    assert not glob.glob(str(tmp_path / "2.orbax-checkpoint-tmp*"))  # the first save removed the leftovers
     assert Checkpointer(tmp_path).steps() == [1, 2]
 
 
