@@ -225,3 +225,41 @@ def test_disk_full_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path):
     assert "could not write checkpoint 2" in error and reason in error, error
     assert "checkpoint 1 (the newest before it) is intact and restorable" in error and "--resume" in error
     assert "RESTORED 1" in out  # checked against files.json and the array checksums, nothing skipped
+
+
+# --- through recipes/train_gpt.py ----------------------------------------------------------------
+
+
+def test_recipe_flags_stop_code_and_strict_resume(tmp_path, capsys):
+    """--max-skipped through the recipe (a learning rate so large that the model breaks down after one
+    update: every later loss is non-finite): status 76, checkpoint of the last good state; then
+    --resume --strict refuses a corrupt newest checkpoint, and flags that cannot apply are refused."""
+    from eqgpt.train.guards import NON_FINITE_EXIT_CODE
+    from recipe_runs import TINY, load_recipe, write_documents
+
+    import tyro
+
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    base = [*TINY, "--data.corpus", str(write_documents(tmp_path / "docs", n=40)), "--data.cache-dir",
+            str(tmp_path / "cache"), "--data.threads", "0", "--eval-windows", "0", "--out-dir", str(out)]
+    for bad, flag in ((["--strict"], "--strict applies to --resume only"),
+                      (["--allow-fresh"], "--allow-fresh applies to --resume only"),
+                      (["--divergence-factor", "0.9"], "--divergence-factor must be above 1")):
+        with pytest.raises(ValueError, match=flag):
+            recipe.main(tyro.cli(recipe.TrainConfig, args=[*base, *bad]))
+    assert not out.exists()  # refused before anything was written
+
+    args = [*base, "--steps", "12", "--checkpoint-every", "4", "--max-skipped", "3", "--optim.lr", "1e30",
+            "--optim.clip-norm", "0"]
+    summary = recipe.main(tyro.cli(recipe.TrainConfig, args=args))
+    printed = capsys.readouterr().out
+    assert summary["exit_code"] == NON_FINITE_EXIT_CODE and summary["stopped"] == "non-finite", printed[-2000:]
+    assert "stopped after step 4: 3 updates in a row were skipped" in printed and "exit status 76" in printed
+    ckpt = Checkpointer(out / "checkpoints")
+    assert ckpt.steps() == [4] and summary["skipped"] == 3 and not (out / "model.eqx").exists()
+
+    # The newest checkpoint damaged: --resume --strict refuses, naming the step and the file.
+    damaged = corrupt("flipped bytes", out / "checkpoints" / "4")
+    with pytest.raises(CorruptCheckpointError, match=rf"checkpoint 4 in .* is corrupt \(.*{damaged.name}"):
+        recipe.main(tyro.cli(recipe.TrainConfig, args=[*args, "--resume", "--strict"]))
