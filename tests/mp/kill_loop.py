@@ -145,7 +145,7 @@ def main(directory: Path, kills: int, seed: int) -> None:
                     os.close(pipe)
                     continue
                 raise SystemExit(f"attempt {attempt} failed:\n{log[-3000:]}")
-            delay = float(rng.uniform(0.0, 0.5))
+            delay = float(rng.uniform(0.0, 0.35))
             time.sleep(delay)
         before = committed(ckpt)
         os.kill(pid, signal.SIGKILL)
