@@ -320,17 +320,14 @@ def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: T
     every process."""
     if jax.process_count() > 1:
         distributed.check_replicas_agree(state.model)
-    restored = checkpointer.restore(state, strict=cfg.strict) if cfg.resume else None
+    restored = checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh) if cfg.resume else None
     if restored is not None:
         log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
         if loader is not None and "data" in restored.extras:
             loader.restore(restored.extras["data"])
         return restored.state
-    if cfg.resume:
-        traces = checkpointer.interrupted_writes + sorted(p.name for p in checkpointer.directory.glob("*.corrupt*"))
-        if traces and not cfg.allow_fresh:
-            raise ValueError(f"--resume: no complete checkpoint in {checkpointer.directory}, only traces of earlier "
-                             f"ones ({', '.join(traces)}). Pass --allow-fresh to start at step 0.")
+    if cfg.resume:  # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
+        traces = checkpointer.traces()
         log(f"--resume: no complete checkpoint in {checkpointer.directory}"
             + (f" (traces: {', '.join(traces)})" if traces else "") + "; starting at step 0")
     return state

@@ -167,7 +167,9 @@ def test_killed_during_saves_resumes_bitwise(tmp_path):
     assert len(events) == kills
     # Attempt 0 died inside its first save: the next attempt said so and refused to start afresh unasked.
     assert events[0]["partial"] and not events[0]["committed"]
-    assert got["refused"] >= 1 and resumes[2]["step"] == -1  # (refusals only while nothing is complete)
+    refusal = got["refusals"][0]  # (refusals happen only while nothing is complete)
+    assert "no complete checkpoint in" in refusal and "only traces of earlier ones (1.orbax-checkpoint-tmp" in refusal
+    assert resumes[2]["step"] == -1  # asked: attempt 2 started at step 0
     # Every resume took the newest step committed when the previous attempt died, with nothing skipped:
     # partial writes are never listed, and every listed checkpoint verified intact.
     for event in events:

@@ -4,7 +4,7 @@ Usage: python kill_loop.py DIR KILLS SEED. Prints `SUMMARY {json}` at the end.
 
 To pay the imports once, this process imports JAX, Orbax and eqgpt (no backend
 yet: one thread) and forks one child per attempt. Each child restores the newest
-checkpoint exactly as `recipes/train_gpt.py --resume` does, trains tiny-GPT steps
+checkpoint as `recipes/train_gpt.py --resume` does (`Checkpointer.restore`), trains tiny-GPT steps
 with the library's `Trainer` and a checkpoint every step (asynchronous), and is
 SIGKILLed. Attempt 0 is killed the moment its first checkpoint's temporary
 directory appears (so the next attempt finds no complete checkpoint, and must
@@ -31,7 +31,7 @@ import optax  # noqa: E402
 
 from eqgpt.data import BatchLoader  # noqa: E402
 from eqgpt.train import SingleDevice, Trainer, TrainerConfig, TrainState, make_train_step  # noqa: E402
-from eqgpt.train.checkpoint import Checkpointer  # noqa: E402
+from eqgpt.train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
 from mp.common import CONFIG, corpus, host_model  # noqa: E402
 
 NEVER = 100_000  # the runs' step budget: they are killed long before (constant lr: no schedule to end)
@@ -59,9 +59,10 @@ def child(directory: Path, attempt: int, fd: int, allow_fresh: bool, steps: int 
     ckpt = None
     if steps is None:  # the killed runs: checkpoint every step, resume as `--resume` does
         ckpt = Checkpointer(directory / "ckpt", every=1, keep=3)
-        restored = ckpt.restore(state)
-        if restored is None and ckpt.interrupted_writes and not allow_fresh:
-            print(f"REFUSED no complete checkpoint, only {ckpt.interrupted_writes}", flush=True)
+        try:
+            restored = ckpt.restore(state, allow_fresh=allow_fresh)
+        except CheckpointError as e:
+            print(f"REFUSED {e}", flush=True)
             os._exit(REFUSED)
         if restored is not None:
             loader.restore(restored.extras["data"])
@@ -122,7 +123,7 @@ def losses(directory: Path, attempt: int) -> dict[int, float]:
 def main(directory: Path, kills: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     ckpt = directory / "ckpt"
-    events, attempt, refused = [], 0, 0
+    events, attempt, refusals = [], 0, []
     allow_fresh = False
     t0 = time.monotonic()
     while len(events) < kills:
@@ -139,7 +140,7 @@ def main(directory: Path, kills: int, seed: int) -> None:
                 log = (directory / f"attempt-{attempt}.log").read_text()
                 if os.waitstatus_to_exitcode(status) == REFUSED and not allow_fresh:
                     assert not committed(ckpt), "refused although a checkpoint is complete"
-                    refused += 1
+                    refusals.append(next(x for x in log.splitlines() if x.startswith("REFUSED ")))
                     allow_fresh = True  # "start fresh only when asked": now we ask
                     attempt += 1
                     os.close(pipe)
@@ -175,7 +176,7 @@ def main(directory: Path, kills: int, seed: int) -> None:
     _, status = os.waitpid(pid, 0)
     assert status == 0, (directory / f"attempt-{ref_attempt}.log").read_text()[-3000:]
     print("SUMMARY " + json.dumps({
-        "events": events, "refused": refused, "resumes": resumes, "losses": got,
+        "events": events, "refusals": refusals, "resumes": resumes, "losses": got,
         "reference": losses(directory, ref_attempt), "loop_seconds": loop_seconds,
     }), flush=True)
 

@@ -540,7 +540,14 @@ class Checkpointer:
         state = jax.tree.unflatten(jax.tree.structure(target), restored)
         return Restored(state, step, dict(meta.get("extras", {})), dict(config))
 
-    def restore(self, target: PyTree, step: int | None = None, *, strict: bool = False) -> Restored | None:
+    def traces(self) -> list[str]:
+        """Signs of earlier checkpoints that are not usable ones: leftovers of interrupted writes and
+        steps set aside as damaged (`<step>.corrupt`); empty for a directory never written to."""
+        corrupt = sorted(p.name for p in self.directory.glob("*.corrupt*")) if self.directory.is_dir() else []
+        return [*self.interrupted_writes, *corrupt]
+
+    def restore(self, target: PyTree, step: int | None = None, *, strict: bool = False,
+                allow_fresh: bool = False) -> Restored | None:
         """Restore a checkpoint into the structure and shardings of `target`.
 
         With `step=None` the newest committed checkpoint is tried first; a damaged
@@ -558,6 +565,9 @@ class Checkpointer:
         - `step`: a particular step (no fallback), or `None` for the latest good one.
         - `strict`: refuse (raise `CorruptCheckpointError`) when the newest checkpoint is
           damaged, instead of falling back; nothing is renamed.
+        - `allow_fresh`: return `None` even when the directory holds no complete checkpoint but
+          `traces()` of earlier ones (a run killed in its first save); by default that raises
+          `CheckpointError`, so that a resume never starts over unasked.
 
         **Returns:** a `Restored`, or `None` when the directory holds no checkpoint.
         Raises `CorruptCheckpointError` when every candidate is damaged (or, with
@@ -573,6 +583,13 @@ class Checkpointer:
         else:
             candidates = steps[::-1]
         if not candidates:
+            traces = self.traces()
+            if traces and not allow_fresh:
+                raise CheckpointError(
+                    f"no complete checkpoint in {self.directory}, only traces of earlier ones ({', '.join(traces)}): "
+                    "the run that wrote them was stopped before any checkpoint was complete. To start at step 0, "
+                    "allow it (recipe: --allow-fresh; API: restore(..., allow_fresh=True))."
+                )
             return None
         skipped: list[tuple[int, str]] = []
         for i, s in enumerate(candidates):
