@@ -235,6 +235,10 @@ def test_two_processes_match_one(jobs, tmp_path):
     preempted = int(stops[0][1])
     assert steps + 2 < preempted < steps + 50
     assert Checkpointer(tmp_path / "job" / "ckpt").steps() == [steps, preempted]
+    # A damaged file that only process 1 reads: both processes fall back to `steps`, naming it.
+    fallbacks = re.findall(r"\[rank (\d)\] FALLBACK process \1 to (\d+): (.*)", out)
+    assert len(fallbacks) == 2 and fallbacks[0][1:] == fallbacks[1][1:] == (str(steps), fallbacks[0][2]), out[-3000:]
+    assert f"({preempted}, 'DamagedFileError: file " in fallbacks[0][2] and "CRC-32 differs" in fallbacks[0][2]
     restored = Checkpointer(tmp_path / "job" / "ckpt").restore(target(final, placement), step=steps)
     assert restored.step == steps and restored.extras["data"] == {"seed": 0, "step": steps}
     for a, b in zip(jax.tree.leaves(eqx.filter(restored.state.model, eqx.is_array)),

@@ -507,7 +507,8 @@ class Checkpointer:
     def _restore_one(self, step: int, target: PyTree) -> Restored:
         leaves = named_leaves(target)
         targets = {n: _abstract(x) for n, x in leaves.items() if _is_array(x)}
-        sealed = verify_files(self.directory / str(step))  # names a missing, truncated or altered file
+        sealed = verify_files(self.directory / str(step))  # names a missing, truncated or altered file;
+        # every process reads its share of the files and all agree on the verdict
         config, meta = self._read_json(step)
         if meta.get("format") == FORMAT and not sealed:
             raise CorruptCheckpointError(f"{MANIFEST} is missing (every {FORMAT} checkpoint has one)")

@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 
 import jax
+import numpy as np
 from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
 
 MANIFEST = "files.json"
@@ -69,11 +70,34 @@ def write_manifest(directory: str | os.PathLike) -> dict:
     return manifest
 
 
+_MISSING, _SIZE, _BYTES = 1, 2, 3
+
+
+def _damage(path: Path, size: int, crc: int) -> int:
+    if not path.exists():
+        return _MISSING
+    if os.path.getsize(path) != size:
+        return _SIZE
+    return _BYTES if crc32(path) != crc else 0
+
+
+def _message(path: Path, kind: int, size: int) -> str:
+    if kind == _MISSING:
+        return f"file {path} is missing"
+    if kind == _SIZE:
+        actual = os.path.getsize(path) if path.exists() else 0
+        return f"file {path} has {actual} bytes, {size} when saved (truncated or overwritten)"
+    return f"file {path} has other bytes than when saved (CRC-32 differs)"
+
+
 def verify_files(directory: str | os.PathLike, share: tuple[int, int] | None = None) -> bool:
     """Check the files of a step directory against its `files.json`.
 
+    With several processes (and no `share`), each reads every `process_count`-th file
+    and they agree on the result: all raise the same error, or none does.
+
     **Arguments:** `directory`; `share`: `(index, count)` to check every `count`-th
-    file from `index` (default: this process's share, so processes split the reading).
+    file from `index` alone (default: this process's share, agreed with the others).
 
     **Returns:** `True` when checked, `False` when there is no `files.json` (an
     older checkpoint). **Raises** `DamagedFileError` naming the first bad file.
@@ -83,21 +107,25 @@ def verify_files(directory: str | os.PathLike, share: tuple[int, int] | None = N
     if not path.exists():
         return False
     try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
+        files = json.loads(path.read_text())["files"]
+        names = sorted(files)
     except (ValueError, KeyError, TypeError) as e:
         raise DamagedFileError(f"file {path} cannot be read ({type(e).__name__})") from None
+    agree = share is None and jax.process_count() > 1
     index, count = share if share is not None else (jax.process_index(), jax.process_count())
-    for rel in sorted(files)[index::count]:
-        size, crc = files[rel]
-        f = directory / rel
-        if not f.exists():
-            raise DamagedFileError(f"file {f} is missing")
-        actual = os.path.getsize(f)
-        if actual != size:
-            raise DamagedFileError(f"file {f} has {actual} bytes, {size} when saved (truncated or overwritten)")
-        if crc32(f) != crc:
-            raise DamagedFileError(f"file {f} has other bytes than when saved (CRC-32 differs)")
+    first, kind = len(names), 0
+    for i in range(index, len(names), count):
+        size, crc = files[names[i]]
+        if found := _damage(directory / names[i], size, crc):
+            first, kind = i, found
+            break
+    if agree:  # the lowest damaged index over all processes, so that all report the same file
+        from jax.experimental import multihost_utils
+
+        found = np.asarray(multihost_utils.process_allgather(np.array([first, kind], np.int64)))
+        first, kind = (int(x) for x in found[np.argmin(found[:, 0])])
+    if first < len(names):
+        raise DamagedFileError(_message(directory / names[first], kind, files[names[first]][0]))
     return True
 
 
