@@ -1,7 +1,8 @@
 """Faults, each injected: corrupt checkpoints, NaN batches and divergence, killed saves, a full disk.
 
 (Bad token ids are refused by `load_corpus`: tests/test_data.py::test_token_file_vocabulary_from_flag_sidecar_or_ids.
-A dead rank under `python -m eqgpt.launch`: tests/test_multiprocess.py::test_dead_rank_stops_the_job.)
+A dead rank under `python -m eqgpt.launch`: tests/test_multiprocess.py::test_dead_rank_stops_the_job_and_resumes_on_fewer_devices;
+corrupt files found by one process of two: tests/test_multiprocess.py::test_two_processes_match_one.)
 """
 
 import logging
@@ -151,6 +152,7 @@ def test_guards_stop_with_their_codes_and_save_the_last_good_state(tmp_path, cap
 # --- SIGKILL at 20 moments of a run that checkpoints every step ---------------------------------
 
 
+@pytest.mark.slow  # ~30 s of CPU: 22 forked training processes (the suite runs it)
 def test_killed_during_saves_resumes_bitwise(tmp_path):
     """20 seeded SIGKILLs (tests/mp/kill_loop.py): every resume takes the newest complete checkpoint,
     never a partial one, and every loss after it is bitwise the uninterrupted run's."""
