@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
+import orbax.checkpoint as ocp
 
 MANIFEST = "files.json"
 _FORMAT = "eqgpt-files/1"
@@ -129,7 +129,7 @@ def verify_files(directory: str | os.PathLike, share: tuple[int, int] | None = N
     return True
 
 
-class SealedRename(AtomicRenameTemporaryPath):
+class SealedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
     """Orbax's atomic rename, preceded by `write_manifest` of the finished temporary directory.
 
     Orbax calls `finalize` on the primary process once every process has written
