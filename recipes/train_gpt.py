@@ -47,6 +47,7 @@ from eqgpt.train import (
     save_model,
 )
 from eqgpt.train.checkpoint import Checkpointer
+from eqgpt.train.guards import Guard
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir
 
@@ -189,7 +190,18 @@ class TrainConfig:
     checkpoint_keep: int = 3
     """Newest checkpoints to keep."""
     resume: bool = False
-    """Continue from the latest good checkpoint in checkpoint_dir, on any --mesh and strategy (start at step 0 if there is none)."""
+    """Continue from the latest good checkpoint in checkpoint_dir, on any --mesh and strategy (start at step 0 if the directory holds none; see --allow-fresh). A damaged newest checkpoint is named in a warning and the next older one is used."""
+    # --- faults (docs/checkpointing.md#faults): exit 76 (non-finite) / 77 (diverged) after saving the last good state
+    strict: bool = False
+    """With --resume: refuse (exit 1) when the newest checkpoint is damaged, instead of falling back to an older one."""
+    allow_fresh: bool = False
+    """With --resume: start at step 0 even when the checkpoint directory holds traces of earlier checkpoints (interrupted writes, damaged steps) but none complete; without it the run refuses."""
+    max_skipped: int = 0
+    """Stop (exit 76) after this many skipped updates in a row (non-finite loss or gradients); 0: never."""
+    divergence_factor: float = 0.0
+    """Stop (exit 77) when --divergence-window losses in a row exceed this factor times the running mean of the loss; 0: never."""
+    divergence_window: int = 3
+    """Divergent losses in a row that stop the run (K)."""
     # --- the run
     steps: int = 800
     """Optimizer steps."""
@@ -313,15 +325,25 @@ def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: T
     every process."""
     if jax.process_count() > 1:
         distributed.check_replicas_agree(state.model)
-    restored = checkpointer.restore(state) if cfg.resume else None
+    restored = checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh) if cfg.resume else None
     if restored is not None:
         log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
         if loader is not None and "data" in restored.extras:
             loader.restore(restored.extras["data"])
         return restored.state
-    if cfg.resume:
-        log(f"--resume: no checkpoint in {checkpointer.directory}; starting at step 0")
+    if cfg.resume:  # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
+        traces = checkpointer.traces()
+        log(f"--resume: no complete checkpoint in {checkpointer.directory}"
+            + (f" (traces: {', '.join(traces)})" if traces else "") + "; starting at step 0")
     return state
+
+
+def check_fault_flags(cfg: TrainConfig) -> None:
+    """Refuse fault flags that cannot apply (before anything is written or compiled)."""
+    Guard(cfg.max_skipped, cfg.divergence_factor, cfg.divergence_window)  # names the bad flag
+    for flag in ("strict", "allow_fresh"):
+        if getattr(cfg, flag) and not cfg.resume:
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --resume only; add --resume or drop it.")
 
 
 def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> list[str]:
@@ -337,6 +359,11 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     """Save the model, plot, sample and summarise; **returns** the summary."""
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
+    if trainer.fault is not None:  # non-finite or diverged: the last good state is saved; nothing to export
+        summary.update(stopped=trainer.fault.reason, exit_code=trainer.fault.code, seconds=time.perf_counter() - t0)
+        if is_main:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
     if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
         summary["seconds"] = time.perf_counter() - t0
         if is_main:
@@ -401,6 +428,7 @@ def main(cfg: TrainConfig) -> dict:
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     if (buckets := bucket_report(strategy, model_like)) is not None:
         log(buckets)
+    check_fault_flags(cfg)
     out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
     log(f"run directory: {out}")
     if strategy.pipeline is not None:
@@ -434,6 +462,8 @@ def main(cfg: TrainConfig) -> dict:
         step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer, val_windows=val,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
                              progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
+                             max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
+                             divergence_window=cfg.divergence_window,
                              bytes_per_token=None if val is None or not tokenizer_decodes(cfg, model_cfg) else bytes_per_token(corpus.tokenizer, val[:, 1:])),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )
@@ -446,4 +476,4 @@ if __name__ == "__main__":
         summary = main(tyro.cli(TrainConfig))
     except ValueError as e:  # a configuration this run cannot use: say what to change, no traceback
         sys.exit(f"error: {e}")
-    sys.exit(PREEMPTED_EXIT_CODE if summary["interrupted"] else 0)
+    sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eqgpt.launch import child_env, free_port
+from eqgpt.launch import child_env, culprit, free_port
 
 ECHO = str(Path(__file__).parent / "mp" / "echo.py")
 LAUNCH = [sys.executable, "-m", "eqgpt.launch"]
@@ -90,3 +90,10 @@ def test_child_env_and_free_port():
 def test_job_timeout(timeout):
     r = run(["--nproc", "2", "--timeout", str(timeout), "--", ECHO, "fail", "5", "0"])
     assert r.returncode == 124 and "--timeout" in r.stderr
+
+
+def test_culprit_of_simultaneous_failures():
+    # A rank killed by a signal is blamed before ranks that then failed in a collective with it.
+    assert culprit([(0, 1), (1, -9)]) == (1, -9)
+    assert culprit([(2, 1), (1, 3)]) == (1, 3)  # else the lowest rank
+    assert culprit([(3, -15), (2, -9)]) == (2, -9)

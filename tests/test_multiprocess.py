@@ -235,6 +235,10 @@ def test_two_processes_match_one(jobs, tmp_path):
     preempted = int(stops[0][1])
     assert steps + 2 < preempted < steps + 50
     assert Checkpointer(tmp_path / "job" / "ckpt").steps() == [steps, preempted]
+    # A damaged file that only process 1 reads: both processes fall back to `steps`, naming it.
+    fallbacks = re.findall(r"\[rank (\d)\] FALLBACK process \1 to (\d+): (.*)", out)
+    assert len(fallbacks) == 2 and fallbacks[0][1:] == fallbacks[1][1:] == (str(steps), fallbacks[0][2]), out[-3000:]
+    assert f"({preempted}, 'DamagedFileError: file " in fallbacks[0][2] and "CRC-32 differs" in fallbacks[0][2]
     restored = Checkpointer(tmp_path / "job" / "ckpt").restore(target(final, placement), step=steps)
     assert restored.step == steps and restored.extras["data"] == {"seed": 0, "step": steps}
     for a, b in zip(jax.tree.leaves(eqx.filter(restored.state.model, eqx.is_array)),
@@ -285,3 +289,52 @@ def test_documented_sbatch_and_indexed_job():
     from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 
     assert f"values: [{PREEMPTED_EXIT_CODE}]" in job  # requeue exactly the preempted runs
+
+
+# --- a dead rank ---------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_dead_rank_stops_the_job_and_resumes_on_fewer_devices(jobs, tmp_path):
+    """2 x 4: rank 1 is SIGKILLed mid-run while rank 0 waits in a collective. Launcher and ranks exit
+    within 60 s, naming rank 1 and SIGKILL; the newest complete checkpoint resumes on 1 x 4 devices
+    and matches an uninterrupted run on that mesh."""
+    from eqgpt.train.checkpoint import Checkpointer
+    from mp.common import TOTAL_STEPS, losses, setup, target, trainer
+
+    job = jobs(launch(2, 4, MP / "dead_rank_worker.py", str(tmp_path)), launcher=True)
+    out, killed_at = [], None
+    for line in job.proc.stdout:  # follow the job until rank 1 dies
+        out.append(line)
+        if "KILLING process 1" in line:
+            killed_at, kill_step = time.monotonic(), int(line.split()[-1])
+            break
+    assert killed_at is not None, "".join(out)[-3000:]
+    code, rest = job.result(timeout=120)
+    elapsed = time.monotonic() - killed_at
+    text = "".join(out) + rest
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to stop after the kill"
+    assert code == 101, (code, text[-3000:])
+    assert "eqgpt.launch: rank 1 failed (killed by SIGKILL)" in text, text[-2000:]
+    assert "FINISHED" not in text
+    print(f"\nrank 1 SIGKILLed at step {kill_step}: launcher and rank 0 gone {elapsed:.1f} s later, exit {code}")
+
+    # Elastic resume: the newest complete checkpoint onto fsdp=4 over 4 devices of one process.
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    steps = ckpt.steps()
+    assert steps and steps[-1] <= kill_step, steps
+    devices = jax.devices()[:4]
+    placement, fresh, step_fn, loader = setup("fsdp=4", "fsdp", devices=devices)
+    restored = ckpt.restore(target(fresh, placement))
+    assert restored.step == steps[-1] and not restored.skipped
+    assert len(restored.state.model.tok_embed.weight.sharding.device_set) == 4
+    resumed = trainer(restored.state, step_fn, loader, placement, steps=TOTAL_STEPS)
+    resumed.run()
+    uninterrupted = trainer(fresh, step_fn, loader, placement, steps=TOTAL_STEPS)
+    uninterrupted.run()
+    reference = losses(uninterrupted)
+    # Before the kill (2 x 4, fsdp=8) and after the restore (1 x 4, fsdp=4): fp32 reduction-order noise.
+    before = {int(s): float(v) for s, v in re.findall(r"\[rank 0\] LOSS (\d+) (\S+)", text)}
+    assert len(before) >= restored.step
+    np.testing.assert_allclose([before[s] for s in sorted(before)], reference[:len(before)], rtol=2e-6)
+    np.testing.assert_allclose(losses(resumed), reference[restored.step:], rtol=2e-5)

@@ -14,9 +14,11 @@ Exit status:
 - every rank exited with 0: 0;
 - after a forwarded SIGTERM/SIGINT, every rank exited with the same status `s`
   (the trainer's preemption status, 75): `s`;
-- otherwise the first rank `r` to fail decides (the lowest, when several end
-  together): `100 + r` (ranks above 26 give 127), and the last line on stderr
-  names the rank and its own status;
+- otherwise the first rank `r` to fail decides (when several end together: one
+  killed by a signal, else the lowest): `100 + r` (ranks above 26 give 127), and
+  the last line on stderr names the rank and its own status or signal
+  (`rank 1 failed (killed by SIGKILL)`); the other ranks, typically blocked in a
+  collective with the dead one, get SIGTERM, then SIGKILL after `--grace` seconds;
 - `--timeout` expired: 124.
 
 SIGTERM and SIGINT sent to the launcher are forwarded to every rank (so a
@@ -77,6 +79,13 @@ def describe_status(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit status {code}"
+
+
+def culprit(failed: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The rank to blame among `(rank, returncode)` failures seen at the same time: one killed by a
+    signal first (the others then fail in their collectives with it, not the other way round), else
+    the lowest rank."""
+    return min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
 
 
 def child_env(
@@ -188,14 +197,12 @@ def launch(
         if signals_seen:  # signalled while the ranks were starting: the later ones get it too
             _signal_all(procs, signals_seen[-1])
         while any(p.poll() is None for p in procs):
-            if first_failure is None:
-                for rank, p in enumerate(procs):
-                    code = p.poll()
-                    if code is not None and code != 0 and not signals_seen:
-                        first_failure = (rank, code)
-                        _signal_all(procs, signal.SIGTERM)
-                        stop_deadline = time.monotonic() + grace
-                        break
+            if first_failure is None and not signals_seen:
+                failed = [(rank, p.poll()) for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed:
+                    first_failure = culprit(failed)
+                    _signal_all(procs, signal.SIGTERM)
+                    stop_deadline = time.monotonic() + grace
             if stop_deadline is not None and time.monotonic() > stop_deadline:
                 _signal_all(procs, signal.SIGKILL)
             if timeout is not None and status is None and time.monotonic() - start > timeout:
@@ -218,8 +225,8 @@ def launch(
         return 0
     if signals_seen and len(set(codes)) == 1:  # e.g. every rank checkpointed and exited "preempted"
         return codes[0] if codes[0] >= 0 else 128 - codes[0]
-    if first_failure is None:  # ranks ended between two polls: the lowest failing rank is blamed
-        first_failure = next((r, c) for r, c in enumerate(codes) if c != 0)
+    if first_failure is None:  # ranks ended between two polls
+        first_failure = culprit([(r, c) for r, c in enumerate(codes) if c != 0])
     rank, code = first_failure
     others = [f"rank {r}: {describe_status(c)}" for r, c in enumerate(codes) if r != rank]
     sys.stderr.write(

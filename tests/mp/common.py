@@ -66,9 +66,9 @@ def host_model(seed: int = 0) -> GPT:
     return jax.tree_util.tree_map_with_path(fill, skeleton)
 
 
-def setup(mesh: str, strategy: str, seed: int = 0):
-    """`(placement, state, step_fn, loader)` for a mesh spec and strategy over all devices."""
-    placement = ShardedPlacement(make_mesh(mesh), strategy)
+def setup(mesh: str, strategy: str, seed: int = 0, devices=None):
+    """`(placement, state, step_fn, loader)` for a mesh spec and strategy over `devices` (default all)."""
+    placement = ShardedPlacement(make_mesh(mesh, devices=devices), strategy)
     model = placement.place_model(host_model(seed))
     key_state = jax.random.key(seed + 1)
     state = TrainState(model, placement.init_opt_state(OPTIMIZER, model), rng=key_state)

@@ -6,7 +6,9 @@ process loaded only its rows of each batch, and process 0 prints `RESULT {...}`
 with the losses. The Trainer writes checkpoint STEPS into DIR/ckpt (every
 process its own shards) and metrics into DIR/outputs-of-<rank> (process 0 only).
 Then training goes on until process 1 alone gets SIGTERM: both processes must
-stop after the same step and write that checkpoint.
+stop after the same step and write that checkpoint. Last, in a copy of DIR/ckpt,
+one file that only process 1 checks (processes split the files) is damaged: both
+must fall back together, naming it (`FALLBACK ...`).
 """
 
 import json
@@ -76,5 +78,19 @@ t = Trainer(step_fn, t.state, loader, placement, config=TrainerConfig(steps=STEP
             checkpointer=Checkpointer(out / "ckpt", every=1000, config={"run": "fsdp+tp"}))
 state = t.run()
 print(f"STOPPED process {jax.process_index()} at step {int(state.step)} interrupted={t.interrupted}", flush=True)
+
+# A damaged file in process 1's share of the files check (odd positions): both fall back together.
+copy = out / "ckpt-copy"
+if jax.process_index() == 0:
+    import shutil
+
+    shutil.copytree(out / "ckpt", copy)
+    newest = max(int(p.name) for p in copy.iterdir() if p.name.isdigit())
+    name = sorted(json.loads((copy / str(newest) / "files.json").read_text())["files"])[1]
+    damaged = copy / str(newest) / name
+    damaged.write_bytes(bytes([damaged.read_bytes()[0] ^ 1]) + damaged.read_bytes()[1:])
+multihost_utils.sync_global_devices("eqgpt-test-damaged")
+got = Checkpointer(copy, config={"run": "fsdp+tp"}).restore(state)
+print(f"FALLBACK process {jax.process_index()} to {got.step}: {got.skipped}", flush=True)
 if jax.process_index() == 0:
     print("RESULT " + json.dumps(result), flush=True)

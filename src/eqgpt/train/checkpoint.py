@@ -9,14 +9,18 @@ A checkpoint of step `s` is the directory `<dir>/<s>/` with three Orbax items:
 - `config/metadata`: the run's configuration as readable JSON.
 - `meta/metadata`: JSON with the step, the data position (`extras`) and a
   checksum of every array.
+- `files.json`: the size and CRC-32 of every file above, written last, just
+  before the commit (`eqgpt.train.integrity`).
 
 Writes go to a temporary directory that Orbax renames into place only after
 every process has finished (its atomic-rename commit protocol), so an
 interrupted write never appears as a step. Restoring re-checks what the rename
-cannot: the configuration must match the running one, every array must exist
-with the expected shape and dtype, and every array's checksum must match. A
-damaged checkpoint is skipped with a message naming the problem and the
-fallback; an incompatible one stops the run with a message naming the field.
+cannot: every file must match `files.json` (a damaged file is named), the
+configuration must match the running one, every array must exist with the
+expected shape and dtype, and every array's checksum must match. A damaged
+checkpoint is skipped with a warning naming the step, the file and the
+fallback (or, with `strict=True`, refused); an incompatible one stops the run
+with a message naming the field.
 
 Restoring takes its shardings from the *restoring* run: the target is this
 run's state (concrete, or abstract `jax.ShapeDtypeStruct`s with `sharding=`),
@@ -28,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,10 +45,12 @@ import orbax.checkpoint as ocp
 from jaxtyping import Array, PyTree, UInt32
 
 from eqgpt.distributed import is_main_process
+from eqgpt.train.integrity import MANIFEST, SealedRename, verify_files
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "eqgpt-checkpoint/1"
+FORMAT = "eqgpt-checkpoint/2"  # /2: sealed with files.json
+_FORMATS = ("eqgpt-checkpoint/1", FORMAT)  # /1 (no files.json) still restores, checked by array checksums
 
 
 class CheckpointError(ValueError):
@@ -51,6 +59,13 @@ class CheckpointError(ValueError):
 
 class IncompatibleCheckpointError(CheckpointError):
     """The checkpoint belongs to a different model or state layout than this run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, lost permissions, a failing file system).
+
+    The write is never committed; the checkpoints before it stay intact and restorable.
+    """
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -297,17 +312,24 @@ class Checkpointer:
         if not isinstance(self.config, dict):
             raise ValueError(f"config must be a mapping or dataclass, got {type(config).__name__}.")
         self.must_match = tuple(must_match)
+        # Leftovers of interrupted writes stay until this run's first save removes them: a run whose
+        # every write was interrupted has no checkpoint but did start (the recipe refuses to start
+        # afresh unasked, and says so again on every attempt until asked).
+        self.interrupted_writes = sorted(
+            p.name for p in self.directory.glob("*.orbax-checkpoint-tmp*")) if self.directory.is_dir() else []
         policies = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
             preservation_policy=policies.LatestN(keep),
             save_decision_policy=policies.FixedIntervalPolicy(every),
-            cleanup_tmp_directories=True,  # leftovers of interrupted writes
+            cleanup_tmp_directories=False,  # leftovers of interrupted writes: removed by the first save
             create=True,
+            temporary_path_class=SealedRename,  # writes files.json just before the commit
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._pending: int | None = None  # the step being written in the background
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r}, every={self.every}, keep={self.keep})"
@@ -342,6 +364,9 @@ class Checkpointer:
         **Returns:** whether a checkpoint was started.
         """
         step = int(step)
+        self.wait()  # the previous write's failure, if any, is reported (and named) here
+        if self.interrupted_writes:
+            self._remove_leftovers()
         if step in self._manager.all_steps():
             logger.info("checkpoint %d already exists in %s; not rewritten", step, self.directory)
             return False
@@ -364,15 +389,38 @@ class Checkpointer:
             "scalars": scalars,
             "process_count": jax.process_count(),
         }
-        return bool(self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_nest(arrays)),
-                config=ocp.args.JsonSave(self.config),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        ))
+        self._pending = step
+        started = self._reporting_failure(self._manager.save, step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_nest(arrays)),
+            config=ocp.args.JsonSave(self.config),
+            meta=ocp.args.JsonSave(meta),
+        ), force=True)
+        return bool(started)
+
+    def _reporting_failure(self, fn, *args, **kwargs):
+        """`fn(...)`, turning any failure of the write in flight into a `CheckpointWriteError`."""
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the file system says, name the step
+            step, self._pending = self._pending, None
+            intact = [s for s in self.steps() if s != step]
+            kept = (f"checkpoint {intact[-1]} (the newest before it) is intact and restorable"
+                    if intact else "no earlier checkpoint exists")
+            raise CheckpointWriteError(
+                f"could not write checkpoint {step} to {self.directory} ({_os_reason(e) or _describe(e)}); "
+                "it was not committed, "
+                f"and {kept}. Free space on that file system (or choose another checkpoint directory), "
+                "then rerun with --resume."
+            ) from e
+
+    def _remove_leftovers(self) -> None:
+        if is_main_process():
+            for name in self.interrupted_writes:
+                shutil.rmtree(self.directory / name, ignore_errors=True)
+        self.interrupted_writes = []
+        _barrier("eqgpt-checkpoint-leftovers")
 
     def maybe_save(self, step: int, state: PyTree, *, extras: Mapping[str, Any] | None = None,
                    force: bool = False) -> bool:
@@ -382,13 +430,19 @@ class Checkpointer:
         return False
 
     def wait(self) -> None:
-        """Block until every background write is committed (call before exiting)."""
-        self._manager.wait_until_finished()
+        """Block until every background write is committed (call before exiting).
+
+        **Raises** `CheckpointWriteError` naming the step when a write failed (e.g. the disk is full).
+        """
+        self._reporting_failure(self._manager.wait_until_finished)
+        self._pending = None
 
     def close(self) -> None:
         """`wait`, then release Orbax's threads."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -403,7 +457,7 @@ class Checkpointer:
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         )
         config, meta = got["config"], got["meta"]
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") not in _FORMATS:
             raise CorruptCheckpointError(f"its meta item is not an {FORMAT} record")
         if int(meta.get("step", -1)) != step:
             raise CorruptCheckpointError(f"its meta item says step {meta.get('step')}")
@@ -453,7 +507,11 @@ class Checkpointer:
     def _restore_one(self, step: int, target: PyTree) -> Restored:
         leaves = named_leaves(target)
         targets = {n: _abstract(x) for n, x in leaves.items() if _is_array(x)}
+        sealed = verify_files(self.directory / str(step))  # names a missing, truncated or altered file;
+        # every process reads its share of the files and all agree on the verdict
         config, meta = self._read_json(step)
+        if meta.get("format") == FORMAT and not sealed:
+            raise CorruptCheckpointError(f"{MANIFEST} is missing (every {FORMAT} checkpoint has one)")
         self._check_config(step, config)
         self._check_layout(step, targets)
         got = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_nest(targets))))
@@ -483,24 +541,38 @@ class Checkpointer:
         state = jax.tree.unflatten(jax.tree.structure(target), restored)
         return Restored(state, step, dict(meta.get("extras", {})), dict(config))
 
-    def restore(self, target: PyTree, step: int | None = None) -> Restored | None:
+    def traces(self) -> list[str]:
+        """Signs of earlier checkpoints that are not usable ones: leftovers of interrupted writes and
+        steps set aside as damaged (`<step>.corrupt`); empty for a directory never written to."""
+        corrupt = sorted(p.name for p in self.directory.glob("*.corrupt*")) if self.directory.is_dir() else []
+        return [*self.interrupted_writes, *corrupt]
+
+    def restore(self, target: PyTree, step: int | None = None, *, strict: bool = False,
+                allow_fresh: bool = False) -> Restored | None:
         """Restore a checkpoint into the structure and shardings of `target`.
 
         With `step=None` the newest committed checkpoint is tried first; a damaged
-        one (unreadable metadata, missing files, checksum mismatch) is logged as
-        `"checkpoint 30 is corrupt (...); falling back to 20"` and the next older
-        one is tried. A checkpoint of a different model (config fields in
-        `must_match`, array names, shapes or dtypes) raises
-        `IncompatibleCheckpointError` at once: no fallback can fix that.
+        one (a file that differs from `files.json`, unreadable metadata, a checksum
+        mismatch) is logged as `"checkpoint 30 in DIR is corrupt (file DIR/30/state/d/...
+        has 100 bytes, 267 when saved ...); falling back to 20"`, the next older one is
+        tried, and the damaged ones are renamed `30.corrupt` (never deleted). A checkpoint
+        of a different model (config fields in `must_match`, array names, shapes or
+        dtypes) raises `IncompatibleCheckpointError` at once: no fallback can fix that.
 
         **Arguments:**
 
         - `target`: this run's state (concrete arrays, or `jax.ShapeDtypeStruct`s
           with `sharding=`): its shardings decide where the restored shards go.
         - `step`: a particular step (no fallback), or `None` for the latest good one.
+        - `strict`: refuse (raise `CorruptCheckpointError`) when the newest checkpoint is
+          damaged, instead of falling back; nothing is renamed.
+        - `allow_fresh`: return `None` even when the directory holds no complete checkpoint but
+          `traces()` of earlier ones (a run killed in its first save); by default that raises
+          `CheckpointError`, so that a resume never starts over unasked.
 
         **Returns:** a `Restored`, or `None` when the directory holds no checkpoint.
-        Raises `CorruptCheckpointError` when every candidate is damaged.
+        Raises `CorruptCheckpointError` when every candidate is damaged (or, with
+        `strict`, the first one).
         """
         steps = self.steps()
         if step is not None:
@@ -512,6 +584,13 @@ class Checkpointer:
         else:
             candidates = steps[::-1]
         if not candidates:
+            traces = self.traces()
+            if traces and not allow_fresh:
+                raise CheckpointError(
+                    f"no complete checkpoint in {self.directory}, only traces of earlier ones ({', '.join(traces)}): "
+                    "the run that wrote them was stopped before any checkpoint was complete. To start at step 0, "
+                    "allow it (recipe: --allow-fresh; API: restore(..., allow_fresh=True))."
+                )
             return None
         skipped: list[tuple[int, str]] = []
         for i, s in enumerate(candidates):
@@ -524,11 +603,18 @@ class Checkpointer:
                 error, result = e, None
             if _all_ok(error is None):
                 if skipped:
-                    self._set_aside([t for t, _ in skipped])
+                    self.set_aside([t for t, _ in skipped])
                 return dataclasses.replace(result, skipped=tuple(skipped))
             reason = _describe(error) if error is not None else "another process could not read it"
             skipped.append((s, reason))
             following = candidates[i + 1] if i + 1 < len(candidates) else None
+            if strict:
+                raise CorruptCheckpointError(
+                    f"checkpoint {s} in {self.directory} is corrupt ({reason}). Strict: not falling back"
+                    + (f" to {following}" if following is not None else "")
+                    + "; nothing was changed. Resume without strict to continue from the newest intact "
+                    "checkpoint, or repair the file."
+                )
             if step is None:
                 logger.warning(
                     "checkpoint %d in %s is corrupt (%s); %s", s, self.directory, reason,
@@ -536,24 +622,42 @@ class Checkpointer:
                 )
         listing = "; ".join(f"checkpoint {t}: {r}" for t, r in skipped)
         raise CorruptCheckpointError(
-            f"no usable checkpoint in {self.directory} ({listing}). Delete the damaged step directories "
-            "to start over, or point the run at another directory."
+            f"no usable checkpoint in {self.directory} ({listing}). Nothing was deleted: repair or move the "
+            "damaged step directories to start over, or point the run at another directory."
         )
 
-    def _set_aside(self, steps: Sequence[int]) -> None:
-        """Rename damaged newer steps to `<step>.corrupt` so the resumed run can save those steps again."""
+    def set_aside(self, steps: Sequence[int], label: str = "corrupt") -> None:
+        """Rename checkpoints to `<step>.<label>` (kept for inspection, never listed or deleted), so that a
+        resume skips them and the resumed run can save those steps again. Every process calls it.
+
+        **Arguments:** `steps`, `label` (`"corrupt"`: damaged; `"diverged"`: written after a divergence).
+        """
         if is_main_process():
             for s in steps:
                 src = self.directory / str(s)
-                dst = self.directory / f"{s}.corrupt"
+                dst = self.directory / f"{s}.{label}"
                 n = 1
                 while dst.exists():
-                    dst, n = self.directory / f"{s}.corrupt{n}", n + 1
+                    dst, n = self.directory / f"{s}.{label}{n}", n + 1
                 if src.exists():
                     src.rename(dst)
-                    logger.warning("moved damaged checkpoint %s to %s", src, dst)
+                    logger.warning("moved checkpoint %s to %s", src, dst)
         _barrier(f"eqgpt-checkpoint-set-aside-{'-'.join(map(str, steps))}")
         self._manager.reload()
+
+
+def _os_reason(error: BaseException) -> str | None:
+    """`"OSError 28: No space left on device"` from an error (or its causes) that carries an errno."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno:
+            return f"OSError {error.errno}: {os.strerror(error.errno)}"
+        found = re.search(r"os_error_code='?(\d+)", str(error))  # TensorStore's errors carry it in the text
+        if found:
+            path = re.search(r'Failed writing: "([^"]+)"', str(error))
+            return f"OSError {found.group(1)}: {os.strerror(int(found.group(1)))}" + (
+                f" writing {path.group(1)}" if path else "")
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _describe(error: BaseException) -> str:
@@ -567,5 +671,5 @@ def _describe(error: BaseException) -> str:
 
 __all__ = [
     "Checkpointer", "Restored", "CheckpointError", "IncompatibleCheckpointError",
-    "CorruptCheckpointError", "abstract_state", "named_leaves", "leaf_name", "checksums",
+    "CorruptCheckpointError", "CheckpointWriteError", "abstract_state", "named_leaves", "leaf_name", "checksums",
 ]

@@ -27,6 +27,7 @@ from eqgpt.distributed import is_main_process
 from eqgpt.parallel.placement import Placement
 from eqgpt.parallel.strategy import LossFn, Strategy
 from eqgpt.precision import Policy
+from eqgpt.train.guards import Guard, Stop
 from eqgpt.train.logging import make_writer
 from eqgpt.train.preemption import StopSignal
 from eqgpt.train.state import TrainState
@@ -55,6 +56,12 @@ class TrainerConfig:
     # each step waited for, plus a device-memory profile after the last (see eqgpt.profile.trace, docs/profiling.md).
     profile_steps: tuple[int, int] | None = None
     profile_dir: Path | None = None
+    # Stops (eqgpt.train.guards): N skipped updates in a row; K losses in a row above F x the running mean.
+    # Either reads every step's loss at once (no step in flight behind the read); the divergence stop also
+    # keeps one copy of the state entering the newest step, to save the last good state.
+    max_skipped: int = 0
+    divergence_factor: float = 0.0
+    divergence_window: int = 3
 
 
 @dataclass
@@ -160,6 +167,13 @@ class Trainer:
     SIGTERM or SIGINT stops the loop after the step in flight (at the same step in
     every process); `interrupted` and `stop_signal` say so afterwards. Only process
     0 prints, draws the progress bar and writes `metrics.jsonl`.
+
+    With `config.max_skipped` or `config.divergence_factor` (`eqgpt.train.guards`)
+    the loop stops when a guard fires: `fault` is then the `Stop`, the last good
+    state is checkpointed (too many skips: the current state, whose parameters and
+    optimizer state are those of the last applied update; divergence: the state
+    entering the first divergent step, and newer checkpoints are renamed
+    `<step>.diverged` so that a resume continues from it), and `run` returns it.
     """
 
     def __init__(
@@ -188,6 +202,8 @@ class Trainer:
                      else eval_batches(val_windows, config.eval_batch_size, placement.batch_divisor))
         self.history = History()
         self.interrupted = False
+        self.guard = Guard(config.max_skipped, config.divergence_factor, config.divergence_window)
+        self.fault: Stop | None = None
         # --- checkpoints and preemption (eqgpt.train.checkpoint / preemption)
         self.checkpointer = checkpointer
         self.stop_signal: int | None = None
@@ -244,8 +260,10 @@ class Trainer:
                     self._log({"step": start, "val_loss": val, **self._bpb(val), "time": 0.0})
                     bar.print(f"step {start}: val loss {val:.3f}")
                 step, stop = start, False
+                good = None  # with the divergence stop: the state entering the first divergent step
                 while step < cfg.steps and not stop:
                     batch = self.placement.batch(self.loader.local_batch(step))
+                    entering = _copy(self.state) if self.guard.divergence else None  # the step donates the state
                     if profile is not None:  # annotated and waited for inside the window
                         self.state, metrics = profile.run(step, self.step_fn, self.state, batch)
                     else:
@@ -253,7 +271,17 @@ class Trainer:
                     if pending is not None:  # read the previous step's loss while this one runs
                         mark_step, mark_time = self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
                         pending = None
+                    if self.guard.active:  # read now, the same values in every process
+                        loss, skipped = jax.device_get((metrics["loss"], metrics["skipped"]))
+                        self.fault = self.guard.observe(step, float(loss), bool(skipped))
+                        if self.guard.divergent_run == 0:
+                            good = None
+                        elif good is None:
+                            good = entering
                     step += 1
+                    if self.fault is not None:
+                        pending = (step, metrics)
+                        break
                     if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1:
                         pending = (step, metrics)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
@@ -262,6 +290,9 @@ class Trainer:
                     stop = flag.should_stop(step)  # every process, every step: they stop together
                 if pending is not None:
                     self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
+                if self.fault is not None:
+                    self._stop_on_fault(self.fault, good, bar)
+                    return self.state
                 self.interrupted = stop
                 self.stop_signal = flag.signal if stop else None
                 self._checkpoint(step, force=True)  # the final (or preempted) state
@@ -281,6 +312,22 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # background writes finish before the caller exits
         return self.state
+
+    def _stop_on_fault(self, fault: Stop, good: TrainState | None, bar: _Progress) -> None:
+        """Checkpoint the last good state (see the class docs) and say why the run stopped."""
+        if fault.reason == "diverged" and good is not None:
+            self.state = good
+        saved = ""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # saves in flight are listed once committed
+            newer = [s for s in self.checkpointer.steps() if s > fault.good_step]
+            if newer:
+                self.checkpointer.set_aside(newer, "diverged")
+            self._checkpoint(fault.good_step, force=True)
+            saved = f"; checkpoint {fault.good_step} holds the last good state"
+            if newer:
+                saved += f" (newer checkpoints renamed: {', '.join(f'{s}.diverged' for s in newer)})"
+        bar.print(f"stopped after step {fault.step}: {fault.message}{saved} (exit status {fault.code})")
 
     def _checkpoint(self, step: int, force: bool = False) -> None:
         if self.checkpointer is not None:
@@ -319,6 +366,11 @@ class Trainer:
         self._log(row)
         bar.update(step, info)
         return step, now
+
+
+def _copy(tree: PyTree) -> PyTree:
+    """A copy of every array of `tree` (same placement), dispatched without waiting."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
 
 
 def plot_history(history: History, path: str | Path, *, title: str = "") -> Path | None:
