@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import tyro
+from filelock import FileLock
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TINY = ["--model.num-layers", "2", "--model.num-heads", "2", "--model.embed-dim", "32", "--model.seq-len", "32",
@@ -43,3 +46,40 @@ def run_recipe(recipe, args: list[str]) -> list[dict]:
     recipe.main(tyro.cli(recipe.TrainConfig, args=args))
     out = Path(args[args.index("--out-dir") + 1])
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def shared_corpus(tmp_path_factory, name: str) -> Path:
+    """A folder `name` holding a small document corpus (`docs/`), shared by the xdist workers
+    (their base directories' parent), so that runs one worker made another can read."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(str(root) + ".lock"):
+        if not (root / "docs").exists():
+            write_documents(root / "docs")
+    return root
+
+
+def run_once(root: Path, name: str, args: list[str]) -> list[dict]:
+    """`train_gpt.py` with `args` on `root`'s corpus into `root/name`, once for all workers;
+    **returns** its logged training rows (those with a loss)."""
+    out = run_dir(root, name)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "done").exists():
+            run_recipe(load_recipe(), [*args, "--data.corpus", str(root / "docs"), "--data.cache-dir",
+                                       str(root / "cache"), "--eval-windows", "0", "--out-dir", str(out)])
+            (out / "done").touch()
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def run_dir(root: Path, name: str) -> Path:
+    """Where `run_once(root, name, ...)` writes (mesh names made path-safe)."""
+    return root / name.replace(",", "_").replace("=", "")
+
+
+def seed_checkpoint(root: Path, saved: str, name: str, step: int = 3) -> None:
+    """Copy run `saved`'s step-`step` checkpoint (alone) into run `name`'s, once, for a
+    `--resume` run there."""
+    out = run_dir(root, name)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "checkpoints").exists():
+            shutil.copytree(run_dir(root, saved) / "checkpoints" / str(step), out / "checkpoints" / str(step))

@@ -6,18 +6,13 @@ written by the test; the losses of every mesh must match the single-device run's
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import equinox as eqx
 import jax
 import numpy as np
 import optax
 import pytest
 import tyro
-from filelock import FileLock
-from recipe_runs import TINY, load_recipe, run_recipe, write_documents
+from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
 
 import eqgpt
 from eqgpt.data import Batch
@@ -39,31 +34,7 @@ SAVED = "expert=4,data=2"  # its capacity run checkpoints after step 3; restored
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    # Shared by the xdist workers (their base directories' parent), with the runs below: a
-    # run one worker made, another reads instead of training again.
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "moe"
-    with FileLock(str(root) + ".lock"):
-        if not (root / "docs").exists():
-            write_documents(root / "docs")
-    return root, root / "docs"
-
-
-def out_dir(corpus, name):
-    return corpus[0] / name.replace(",", "_").replace("=", "")
-
-
-def run(corpus, name, args):
-    """`train_gpt.py` with `args`, once for all workers; **returns** its logged training rows."""
-    root, docs = corpus
-    out = out_dir(corpus, name)
-    with FileLock(str(out) + ".lock"):
-        done = out / "done"
-        if not done.exists():
-            run_recipe(load_recipe(), [*args, "--data.corpus", str(docs), "--data.cache-dir", str(root / "cache"),
-                                       "--eval-windows", "0", "--out-dir", str(out)])
-            done.touch()
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return shared_corpus(tmp_path_factory, "moe")
 
 
 def mesh_flags(mesh):
@@ -73,7 +44,7 @@ def mesh_flags(mesh):
 def losses(corpus, mode, mesh=None):
     extra = ["--checkpoint-every", "3"] if (mesh, mode) == (SAVED, "capacity") else []
     args = [*TINY, "--model.preset", "moe-nano", *MODES[mode], "--steps", str(STEPS), *mesh_flags(mesh), *extra]
-    return run(corpus, run_name(mode, mesh), args)
+    return run_once(corpus, run_name(mode, mesh), args)
 
 
 def run_name(mode, mesh=None):
@@ -110,14 +81,10 @@ def test_expert_parallel_checkpoint_restores_and_training_continues(corpus, refe
     """The step-3 checkpoint of the `expert=4,data=2` run, resumed on one device and on
     `expert=2,data=4`: steps 4 and 5 equal the uninterrupted run's."""
     losses(corpus, "capacity", SAVED)  # the run that saved it (made once, by any worker)
-    saved = out_dir(corpus, run_name("capacity", SAVED))
     name = f"resume-{target or 'one'}"
-    out = out_dir(corpus, name)
-    with FileLock(str(out) + ".lock"):
-        if not (out / "checkpoints").exists():
-            shutil.copytree(saved / "checkpoints" / "3", out / "checkpoints" / "3")
+    seed_checkpoint(corpus, run_name("capacity", SAVED), name)
     args = [*TINY, "--model.preset", "moe-nano", "--steps", str(STEPS), "--resume", *mesh_flags(target)]
-    resumed = run(corpus, name, args)
+    resumed = run_once(corpus, name, args)
     assert [r["step"] for r in resumed] == [4, 5]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference["capacity"][3:]],
                                rtol=2e-5)

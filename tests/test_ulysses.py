@@ -10,18 +10,13 @@ so the other two meshes train on plain windows (causal mask only).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import equinox as eqx
 import jax
 import numpy as np
 import optax
 import pytest
 import tyro
-from filelock import FileLock
-from recipe_runs import TINY, load_recipe, run_recipe, write_documents
+from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
 
 import eqgpt
 from eqgpt.data import Batch
@@ -43,34 +38,16 @@ SAVED = "context=4,data=2"  # checkpoints after step 3; restored on one device b
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    # Shared by the xdist workers (their base directories' parent), with the runs below.
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ulysses"
-    with FileLock(str(root) + ".lock"):
-        if not (root / "docs").exists():
-            write_documents(root / "docs")
-    return root
-
-
-def run(root, name, args):
-    """`train_gpt.py` with `args`, once for all workers; **returns** its logged training rows."""
-    out = root / name.replace(",", "_").replace("=", "")
-    with FileLock(str(out) + ".lock"):
-        if not (out / "done").exists():
-            run_recipe(load_recipe(), [*MODEL, *args, "--data.corpus", str(root / "docs"),
-                                       "--data.cache-dir", str(root / "cache"), "--eval-windows", "0",
-                                       "--out-dir", str(out)])
-            (out / "done").touch()
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return shared_corpus(tmp_path_factory, "ulysses")
 
 
 def losses(root, mesh=None, mode="packed"):
     """The run on `mesh` (None: one device, in data `mode`); `SAVED` checkpoints after step 3."""
     if mesh is None:
-        return run(root, f"one-{mode}", ["--steps", str(STEPS), "--data.mode", mode])
+        return run_once(root, f"one-{mode}", [*MODEL, "--steps", str(STEPS), "--data.mode", mode])
     mode, flags = MESHES[mesh]
     extra = ["--checkpoint-every", "3"] if mesh == SAVED else []
-    return run(root, mesh, ["--steps", str(STEPS), "--data.mode", mode, "--mesh", mesh, *flags, *extra])
+    return run_once(root, mesh, [*MODEL, "--steps", str(STEPS), "--data.mode", mode, "--mesh", mesh, *flags, *extra])
 
 
 @pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.xdist_group("ulysses")) for m in MESHES])
@@ -86,12 +63,8 @@ def test_ulysses_checkpoint_restores_on_one_device(corpus):
     """The step-3 checkpoint of the `context=4,data=2` run, resumed on one device: steps 4
     and 5 equal the uninterrupted run's."""
     losses(corpus, SAVED)
-    out = corpus / "resume-one"
-    with FileLock(str(out) + ".lock"):
-        if not (out / "checkpoints").exists():
-            shutil.copytree(corpus / SAVED.replace(",", "_").replace("=", "") / "checkpoints" / "3",
-                            out / "checkpoints" / "3")
-    resumed = run(corpus, "resume-one", ["--steps", str(STEPS), "--data.mode", "packed", "--resume"])
+    seed_checkpoint(corpus, SAVED, "resume-one")
+    resumed = run_once(corpus, "resume-one", [*MODEL, "--steps", str(STEPS), "--data.mode", "packed", "--resume"])
     assert [r["step"] for r in resumed] == [4, 5]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in losses(corpus)[3:]], rtol=2e-5)
 
