@@ -32,3 +32,23 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 def max_abs(tree):
     return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
+
+
+def compiled_step(config, strategy, *, rows: int = 8):
+    """The compiled training step (AdamW, donation off) of a `GPT(config)` under `strategy`, on
+    `rows` random windows: what the compiled-program tests read their collectives from.
+    **Returns** (the compiled step, the placed model)."""
+    import equinox as eqx
+    import optax
+
+    from eqgpt.data import Batch
+    from eqgpt.nn import GPT
+    from eqgpt.train import TrainState, make_train_step
+
+    model = strategy.place_model(GPT(config, key=jax.random.key(0)))
+    optimizer = optax.adamw(1e-3)
+    state = TrainState(model, strategy.place_opt_state(optimizer.init(eqx.filter(model, eqx.is_array)), model),
+                       rng=jax.random.key(0))
+    windows = np.asarray(jax.random.randint(jax.random.key(1), (rows, config.seq_len + 1), 0, config.vocab_size))
+    step = make_train_step(optimizer, strategy=strategy, model_like=model, donate=False)
+    return step.lower(state, strategy.batch(Batch.from_windows(windows))).compile(), model

@@ -6,21 +6,16 @@ written by the test; the losses of every mesh must match the single-device run's
 
 from __future__ import annotations
 
-import equinox as eqx
-import jax
 import numpy as np
-import optax
 import pytest
 import tyro
+from helpers import compiled_step
 from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
 
 import eqgpt
-from eqgpt.data import Batch
-from eqgpt.nn import GPT
 from eqgpt.parallel import Strategy, make_mesh
 from eqgpt.parallel.expert import all_to_all_bytes
 from eqgpt.profile import collectives
-from eqgpt.train import TrainState, make_train_step
 
 STEPS = 5
 MODES = {"capacity": [], "dropless": ["--model.dropless", "True"]}
@@ -95,13 +90,7 @@ def test_compiled_step_has_four_all_to_alls_per_moe_layer_of_the_analytic_size()
     device's whole `[experts, rows, capacity, embed]` tensor, `(n-1)/n` of it to other devices."""
     config = eqgpt.preset("moe-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=2, seq_len=32)
     strategy = Strategy(make_mesh("expert=4,data=2"), "dp")
-    model = strategy.place_model(GPT(config, key=jax.random.key(0)))
-    optimizer = optax.adamw(1e-3)
-    state = TrainState(model, strategy.place_opt_state(optimizer.init(eqx.filter(model, eqx.is_array)), model),
-                       rng=jax.random.key(0))
-    batch = strategy.batch(Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(1), (8, 33), 0, 64))))
-    step = make_train_step(optimizer, strategy=strategy, model_like=model, donate=False)
-    compiled = step.lower(state, batch).compile({"xla_backend_optimization_level": 0})
+    compiled, model = compiled_step(config, strategy)
     rows = [r for r in collectives(compiled, strategy.mesh) if r.kind == "all-to-all"]
     n, e, layers = 4, config.moe.num_experts, config.num_layers
     assert sorted(r.phase for r in rows) == ["backward", "backward", "forward", "forward"]

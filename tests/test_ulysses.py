@@ -10,21 +10,16 @@ so the other two meshes train on plain windows (causal mask only).
 
 from __future__ import annotations
 
-import equinox as eqx
-import jax
 import numpy as np
-import optax
 import pytest
 import tyro
+from helpers import compiled_step
 from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
 
 import eqgpt
-from eqgpt.data import Batch
-from eqgpt.nn import GPT
 from eqgpt.parallel import Strategy, make_mesh
 from eqgpt.parallel.context import ContextConfig, ulysses_bytes
 from eqgpt.profile import collectives
-from eqgpt.train import TrainState, make_train_step
 
 STEPS = 5
 MODEL = [*TINY, "--model.preset", "llama-nano", "--model.num-heads", "4"]
@@ -74,13 +69,7 @@ def test_compiled_step_has_four_all_to_alls_per_attention_layer_of_the_analytic_
     forward (and their four transposes backward), each sending `(n-1)/n` of its block."""
     config = eqgpt.preset("llama-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, seq_len=32)
     strategy = Strategy(make_mesh("context=4,data=2"), "dp", context=ContextConfig("ulysses"))
-    model = strategy.place_model(GPT(config, key=jax.random.key(0)))
-    optimizer = optax.adamw(1e-3)
-    state = TrainState(model, strategy.place_opt_state(optimizer.init(eqx.filter(model, eqx.is_array)), model),
-                       rng=jax.random.key(0))
-    batch = strategy.batch(Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(1), (8, 33), 0, 64))))
-    step = make_train_step(optimizer, strategy=strategy, model_like=model, donate=False)
-    compiled = step.lower(state, batch).compile({"xla_backend_optimization_level": 0})
+    compiled, _ = compiled_step(config, strategy)
     rows = [r for r in collectives(compiled, strategy.mesh) if r.kind == "all-to-all"]
     n, layers, head_dim = 4, config.num_layers, config.embed_dim // config.num_heads
     forward = [r for r in rows if r.phase == "forward"]
