@@ -3,7 +3,9 @@
 Both must happen before JAX or eqgpt is imported, so they live here. Compiled
 programs are released after each test module. (JAX's
 persistent compilation cache is deliberately off: reading an entry another xdist
-worker was writing crashed a worker with a segmentation fault on jax 0.10.2.)
+worker was writing crashed a worker with a segmentation fault on jax 0.10.2. The
+recipe turns it on by default; EQGPT_NO_COMPILE_CACHE keeps it off in every recipe
+run of the suite, in this process and in the subprocesses that inherit it.)
 """
 
 import os
@@ -11,6 +13,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 os.environ.setdefault("XLA_FLAGS", "")
+os.environ["EQGPT_NO_COMPILE_CACHE"] = "1"
 
 import jax  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
