@@ -75,7 +75,8 @@ class SingleDevice:
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
         """`make(key)`, built by a compiled function directly on the device."""
         with jax.default_device(self.device):
-            return eqx.filter_jit(make)(key)
+            program, static = auto.init_program(make, key)
+            return eqx.combine(program(key), static)
 
     def place_model(self, model: PyTree) -> PyTree:
         """The model's arrays moved to the device, its activation hooks back to no constraint."""
