@@ -71,7 +71,7 @@ class DataConfig:
     """'bytes' (default), 'bpe:N' (byte-level BPE of N tokens trained on the training split, cached with the tokens), a tokenizer.json, or a GPT-2 vocab.json (merges.txt beside it). A non-byte tokenizer sets the model's vocab_size."""
 
 
-UNROLL_MAX_LAYERS = 12  # deeper models scan their layers: an unrolled stack's compile time grows with depth
+UNROLL_MAX_LAYERS = 8  # deeper models scan their layers: an unrolled stack's compile time grows with depth
 
 
 @dataclass
@@ -91,7 +91,7 @@ class ModelConfig:
     position: Literal["learned", "rope"] | None = None
     """Override: learned or rotary position embeddings."""
     scan_layers: bool = False
-    """Run the layers as one lax.scan (compile time independent of depth). Models of up to 12 layers are unrolled by default (9-14% faster CPU steps at 4 layers); deeper ones are always scanned (at 48 layers the unrolled step compiled in 3x the time)."""
+    """Run the layers as one lax.scan (compile time independent of depth). Models of up to 8 layers are unrolled by default (9-14% faster CPU steps at 4 layers); deeper ones are always scanned, as an unrolled stack's compile time grows with depth (docs/profiling.md)."""
     num_experts: int | None = None
     """Override: MoE experts per layer (an MoE preset such as moe-nano; on a dense preset, makes it MoE)."""
     top_k: int | None = None
