@@ -8,12 +8,17 @@ compiled. "ready" is the wall time from the first JAX call to a compiled step
 (imports excluded, the step not run). The step's trace and lowering are split with
 `jax.monitoring`'s lowering event (`trace = lower() wall - jaxpr-to-MLIR time`).
 
+Cases: gpt2-small (vocabulary padded to 50304) on 1 device and on 8 simulated CPU
+devices with fsdp+tp, pipeline 1F1B and context ring, layers scanned as the recipe
+runs 12 of them; and 12 or 48 layers, scanned or unrolled, on 1 device. `--unrolled`
+unrolls every case (how the recipe ran gpt2-small before it scanned deep models).
+
 With `--cache DIR` every case runs twice, each time in a new process, with JAX's
-persistent compilation cache in DIR (emptied first): "cold" fills it, "warm" is a
-second start that reads it, as a second `train_gpt.py` run does.
+persistent compilation cache in DIR (emptied first) set as the recipe sets it:
+"cold" fills it, "warm" is a second start that reads it.
 
 Run: `python benchmarks/compile_time.py [--cases fsdp+tp ...] [--cache /tmp/xla-cache]`
-(about a minute per case on an idle 2-core CPU; `--list` names the cases).
+(`--list` names the cases; `--preset nano --layers 2` for a quick check).
 """
 
 from __future__ import annotations
@@ -41,12 +46,11 @@ class Case(NamedTuple):
 
 
 # The strategies at gpt2-small's 12 layers, scanned as recipes/train_gpt.py runs them (it unrolls
-# models of up to 8 layers; "fsdp+tp unrolled" is how it ran gpt2-small before). "1 device" is
-# also the 12-layer scanned row of the depth comparison.
+# models of up to 8 layers; --unrolled runs them as it ran gpt2-small before). "1 device" is also
+# the 12-layer scanned row of the depth comparison.
 CASES = {
     "1 device": Case(),
     "fsdp+tp": Case(8, "fsdp=4,tensor=2", "fsdp+tp"),
-    "fsdp+tp unrolled": Case(8, "fsdp=4,tensor=2", "fsdp+tp", scan=False),
     "pipeline 1f1b": Case(8, "pipeline=2,data=2,tensor=2", "dp+tp", pipeline="1f1b"),
     "context ring": Case(8, "context=2,fsdp=2,tensor=2", "fsdp+tp", context="ring"),
     "12 unrolled": Case(layers=12, scan=False),
@@ -106,6 +110,7 @@ def start(name: str, args, cache: str | None) -> dict:
     cmd += ["--seq", str(args.seq)] if args.seq else []
     cmd += ["--vocab", str(args.vocab)] if args.vocab else []
     cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--unrolled"] if args.unrolled else []
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAX_PLATFORMS"] = "cpu"
     if cache:  # as recipes/train_gpt.py sets it: every program, a bounded (file-locked) cache
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=50304,
                    help="vocabulary (default 50304: GPT-2's 50257 padded to a multiple of 64, which tensor=2 divides)")
     p.add_argument("--layers", type=int, default=None, help="override every case's depth")
+    p.add_argument("--unrolled", action="store_true", help="unroll every case's layers")
     p.add_argument("--cache", default=None, help="persistent compilation cache directory: cold start, then warm")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: run one case in this process
@@ -134,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(CASES))
         return 0
     if args.run:
-        print(json.dumps(run_case(CASES[args.run], args.preset, args.batch, args.seq, args.vocab, args.layers)))
+        case = CASES[args.run]._replace(scan=False) if args.unrolled else CASES[args.run]
+        print(json.dumps(run_case(case, args.preset, args.batch, args.seq, args.vocab, args.layers)))
         return 0
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'case':<16} {'layers':>6} {'construct':>9} {'init':>6} {'trace':>6} {'lower':>6} {'compile':>7} {'ready':>6}"
     print(head + ("  start" if args.cache else ""))
     for name in args.cases:
-        case = CASES[name]
+        case = CASES[name]._replace(scan=False) if args.unrolled else CASES[name]
         if args.cache:
             shutil.rmtree(args.cache, ignore_errors=True)
         for when in ("cold", "warm") if args.cache else ("",):
