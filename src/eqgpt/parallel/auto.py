@@ -233,25 +233,6 @@ def _only_shardings(shardings: PyTree) -> PyTree:
 _INIT_PROGRAMS: dict = {}
 
 
-def init_compiler_options() -> dict[str, Any] | None:
-    """XLA options for the programs that run once, at initialisation: on CPU, LLVM at -O1.
-    gpt2-small's initialiser (mostly random-number kernels) then compiles in about half the
-    time, runs as fast and gives the same values bit for bit; elsewhere XLA's defaults."""
-    return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
-
-
-def init_program(
-    make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray, shardings: Callable[[PyTree], Any] | None = None
-):
-    """`(jitted key -> make(key)'s arrays, make(key)'s static part)`, compiled with
-    `init_compiler_options`; `shardings(abstract model)` gives the arrays' `out_shardings`
-    (`None`: the default placement)."""
-    abstract = eqx.filter_eval_shape(make, key)
-    kwargs = {} if shardings is None else {"out_shardings": shardings(abstract)}
-    program = jax.jit(lambda k: _split(make(k))[0], compiler_options=init_compiler_options(), **kwargs)
-    return program, _split(abstract)[1]
-
-
 def _init_program(make, key, mesh, rules, overrides):
     """The jitted initialiser and the model's static part; kept for the last few `make`s
     so that `lower_init(...).compile()` and `init_sharded(...)` share one compile."""
@@ -262,7 +243,13 @@ def _init_program(make, key, mesh, rules, overrides):
         cache_key, hit = None, None
     if hit is not None:
         return hit
-    program = init_program(make, key, lambda abstract: _only_shardings(param_shardings(abstract, mesh, rules, overrides)))
+    abstract = eqx.filter_eval_shape(make, key)
+    out_shardings = _only_shardings(param_shardings(abstract, mesh, rules, overrides))
+
+    def build(k):
+        return _split(make(k))[0]
+
+    program = (jax.jit(build, out_shardings=out_shardings), _split(abstract)[1])
     if cache_key is not None:
         if len(_INIT_PROGRAMS) >= 8:
             _INIT_PROGRAMS.pop(next(iter(_INIT_PROGRAMS)))

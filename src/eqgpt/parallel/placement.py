@@ -75,8 +75,7 @@ class SingleDevice:
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
         """`make(key)`, built by a compiled function directly on the device."""
         with jax.default_device(self.device):
-            program, static = auto.init_program(make, key)
-            return eqx.combine(program(key), static)
+            return eqx.filter_jit(make)(key)
 
     def place_model(self, model: PyTree) -> PyTree:
         """The model's arrays moved to the device, its activation hooks back to no constraint."""
