@@ -3,8 +3,10 @@
 The step is the recipe's (`make_train_step`, AdamW with clipping, layers unrolled).
 Its `dot_general`s are read from its jaxpr (forward, backward and update; a scanned
 body counted once per layer). Each distinct product is then timed alone, as a
-jitted `lax.dot_general` and as the same `torch.einsum`; the step and every product
-are timed in the same rounds, one call each per round (median of `--repeats`).
+jitted `lax.dot_general` and as the same `torch.einsum`. The step and every XLA
+product are timed in the same rounds, one call each per round (median of
+`--repeats`), so a change of load reaches them alike; PyTorch's products in rounds
+of their own.
 
 - step / XLA matmuls: the whole step over the time its matmuls take alone in XLA,
   the JAX floor of this CPU (1 would be a step that is nothing but its matmuls).
@@ -118,7 +120,7 @@ def floor(size: tuple[int, ...], repeats: int, torch=None) -> dict:
                           use_bias=False, tie_embeddings=True, attention_kernel="reference")
     run_step, jaxpr = training_step(cfg, batch_size)
     shapes = sorted(dot_shapes(jaxpr).items(), key=lambda kv: -kv[1])
-    fns, specs = {"step": run_step}, {}
+    fns, torch_fns, specs = {"step": run_step}, {}, {}
     for i, ((lhs, rhs, dims), _count) in enumerate(shapes):
         a = jax.random.normal(jax.random.key(1), lhs)
         b = jax.random.normal(jax.random.key(2), rhs)
@@ -127,8 +129,11 @@ def floor(size: tuple[int, ...], repeats: int, torch=None) -> dict:
         specs[i] = einsum_spec(lhs, rhs, dims)
         if torch is not None:
             ta, tb = torch.from_numpy(np.array(a)), torch.from_numpy(np.array(b))
-            fns[f"torch{i}"] = lambda spec=specs[i], ta=ta, tb=tb: torch.einsum(spec, ta, tb)
+            torch_fns[f"torch{i}"] = lambda spec=specs[i], ta=ta, tb=tb: torch.einsum(spec, ta, tb)
     ms = interleaved_ms(fns, repeats)
+    # PyTorch's products in rounds of their own: between XLA calls its idle OpenMP threads
+    # (and XLA's between its) would take the cores from the other library.
+    ms.update(interleaved_ms(torch_fns, repeats))
     rows, total = [], {"xla": 0.0, "torch": 0.0}
     for i, ((lhs, rhs, dims), count) in enumerate(shapes):
         xla, pt = ms[f"xla{i}"], ms.get(f"torch{i}", float("nan"))
