@@ -395,7 +395,7 @@ def use_compile_cache(cfg: TrainConfig) -> Path | None:
     before the first compile. **Returns** its directory, or `None` when off (or set by the user already).
 
     Bounding its size turns on JAX's file lock around each read and write, so processes sharing the
-    directory never read an entry another is still writing (which crashed jax 0.10.2 without it)."""
+    directory never read an entry another is still writing (the race that crashed test workers on jax 0.10.2)."""
     if not cfg.compile_cache or os.environ.get("EQGPT_NO_COMPILE_CACHE") or jax.config.jax_compilation_cache_dir:
         return None
     path = cfg.compile_cache_dir or default_cache_dir() / "xla"
