@@ -9,6 +9,7 @@ import sys
 import jax
 import pytest
 import tyro
+
 from recipe_runs import RECIPES, load_recipe
 
 # In a fresh process (the cache must be set before the first compile, and this suite keeps
