@@ -1,44 +1,170 @@
-"""Compile time of a training step at 4 versus 32 layers.
+"""Time to the first training step: model construction, initialisation, and the step's
+trace, lowering and XLA compile (`jax.stages`), per strategy and depth.
 
-Layers are scanned, so the compiled program holds one layer body whatever the
-depth, and the ratio should stay near 1 (an unrolled stack grows ~8x).
-Run: `python benchmarks/compile_time.py`.
+Each case runs in a fresh process (a cold start, as a user's), the way
+`recipes/train_gpt.py` starts: the model's shapes under `jax.eval_shape`, the model
+and optimizer state created directly in their shardings, then the step lowered and
+compiled. "ready" is the wall time from the first JAX call to a compiled step
+(imports excluded, the step not run). The step's trace and lowering are split with
+`jax.monitoring`'s lowering event (`trace = lower() wall - jaxpr-to-MLIR time`).
+
+Cases: gpt2-small (vocabulary padded to 50304) on 1 device and on 8 simulated CPU
+devices with fsdp+tp, pipeline 1F1B and context ring, layers scanned as the recipe
+runs 12 of them; and 12 or 48 layers, scanned or unrolled, on 1 device. `--unrolled`
+unrolls every case (how the recipe ran gpt2-small before it scanned deep models).
+
+With `--cache DIR` every case runs twice, each time in a new process, with JAX's
+persistent compilation cache in DIR (emptied first) set as the recipe sets it:
+"cold" fills it, "warm" is a second start that reads it.
+
+Run: `python benchmarks/compile_time.py [--cases fsdp+tp ...] [--cache /tmp/xla-cache]`
+(`--list` names the cases; `--preset nano --layers 2` for a quick check).
 """
 
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
-
-import equinox as eqx
-import jax
-import numpy as np
-import optax
-
-import eqgpt
-from eqgpt import nn
-from eqgpt.data import Batch
-from eqgpt.train import TrainState, make_train_step
+from typing import NamedTuple
 
 
-def compile_seconds(num_layers: int) -> float:
-    """Seconds to lower and compile the library's training step (`make_train_step`)."""
-    cfg = eqgpt.preset("nano").replace(num_layers=num_layers)
-    model = nn.GPT(cfg, key=jax.random.key(0))
-    opt = optax.adamw(1e-3)
-    state = TrainState(model, opt.init(eqx.filter(model, eqx.is_array)), rng=jax.random.key(1))
-    batch = Batch.from_windows(np.zeros((8, cfg.seq_len + 1), np.int32))
-    step = make_train_step(opt)
-    start = time.perf_counter()
-    step.lower(state, batch).compile()
-    return time.perf_counter() - start
+class Case(NamedTuple):
+    """One start: a model preset and depth, a mesh and strategy (recipe flag syntax)."""
+
+    devices: int = 1
+    mesh: str = ""
+    rules: str = "dp"
+    pipeline: str | None = None
+    context: str | None = None
+    layers: int = 12
+    scan: bool = True
 
 
-def main():
-    compile_seconds(2)  # warm up tracing caches
-    shallow, deep = compile_seconds(4), compile_seconds(32)
-    print(f"{'layers':>8} {'compile s':>10}")
-    print(f"{4:>8} {shallow:>10.2f}")
-    print(f"{32:>8} {deep:>10.2f}")
-    print(f"ratio 32/4 layers: {deep / shallow:.2f} (scan keeps it near 1; unrolled would be ~8)")
+# The strategies at gpt2-small's 12 layers, scanned as recipes/train_gpt.py runs them (it unrolls
+# models of up to 8 layers; --unrolled runs them as it ran gpt2-small before). "1 device" is also
+# the 12-layer scanned row of the depth comparison.
+CASES = {
+    "1 device": Case(),
+    "fsdp+tp": Case(8, "fsdp=4,tensor=2", "fsdp+tp"),
+    "pipeline 1f1b": Case(8, "pipeline=2,data=2,tensor=2", "dp+tp", pipeline="1f1b"),
+    "context ring": Case(8, "context=2,fsdp=2,tensor=2", "fsdp+tp", context="ring"),
+    "12 unrolled": Case(layers=12, scan=False),
+    "48 scanned": Case(layers=48, scan=True),
+    "48 unrolled": Case(layers=48, scan=False),
+}
+
+
+def run_case(case: Case, preset: str, batch: int, seq: int | None, vocab: int | None, layers: int | None) -> dict:
+    """Start `case` in this process (JAX not yet initialised); **returns** seconds per phase."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", case.devices)
+    durations: dict[str, float] = {}
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: durations.__setitem__(event, durations.get(event, 0.0) + secs))
+
+    import numpy as np
+
+    import eqgpt
+    from eqgpt.data import Batch
+    from eqgpt.nn import GPT
+    from eqgpt.train import Strategy, TrainState, make_lr_schedule, make_optimizer, make_train_step
+
+    t0 = time.perf_counter()
+    overrides = {k: v for k, v in (("seq_len", seq), ("vocab_size", vocab)) if v}
+    config = eqgpt.preset(preset, num_layers=layers or case.layers, scan_layers=case.scan, **overrides)
+    strategy = Strategy.parse(case.mesh, case.rules, pipeline=case.pipeline, context=case.context)
+    make_model = lambda k: GPT(config, key=k)  # noqa: E731
+    model_like = jax.eval_shape(make_model, jax.random.key(0))
+    strategy.check(model_like, batch_size=batch, seq_len=config.seq_len)
+    t_construct = time.perf_counter()
+    optimizer = make_optimizer(make_lr_schedule(1e-3, total_steps=100, warmup_steps=10))
+    model = strategy.init_model(make_model, jax.random.key(0))
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=jax.random.key(1))
+    jax.block_until_ready(state)
+    windows = np.zeros((batch, config.seq_len + 1), np.int32)
+    batch_arrays = strategy.batch(Batch.from_windows(windows))
+    t_init = time.perf_counter()
+    step = make_train_step(optimizer, strategy=strategy, model_like=model_like)
+    before = dict(durations)
+    lowered = step.lower(state, batch_arrays)
+    t_lower = time.perf_counter()
+    lowered.compile()
+    t_compile = time.perf_counter()
+    mlir = durations.get("/jax/core/compile/jaxpr_to_mlir_module_duration", 0.0) - before.get(
+        "/jax/core/compile/jaxpr_to_mlir_module_duration", 0.0)
+    return {
+        "construct": t_construct - t0, "init": t_init - t_construct,
+        "trace": t_lower - t_init - mlir, "lower": mlir, "compile": t_compile - t_lower, "ready": t_compile - t0,
+    }
+
+
+def start(name: str, args, cache: str | None) -> dict:
+    """Run one case in a new process; **returns** its phases."""
+    cmd = [sys.executable, __file__, "--run", name, "--preset", args.preset, "--batch", str(args.batch)]
+    cmd += ["--seq", str(args.seq)] if args.seq else []
+    cmd += ["--vocab", str(args.vocab)] if args.vocab else []
+    cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--unrolled"] if args.unrolled else []
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["JAX_PLATFORMS"] = "cpu"
+    if cache:  # as recipes/train_gpt.py sets it: every program, a bounded (file-locked) cache
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_COMPILATION_CACHE_MAX_SIZE=str(4 << 30))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{name} failed:\n{out.stdout}{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="*", default=list(CASES), help="case names (default: all)")
+    p.add_argument("--preset", default="gpt2-small")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=None, help="override the preset's sequence length")
+    p.add_argument("--vocab", type=int, default=50304,
+                   help="vocabulary (default 50304: GPT-2's 50257 padded to a multiple of 64, which tensor=2 divides)")
+    p.add_argument("--layers", type=int, default=None, help="override every case's depth")
+    p.add_argument("--unrolled", action="store_true", help="unroll every case's layers")
+    p.add_argument("--cache", default=None, help="persistent compilation cache directory: cold start, then warm")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: run one case in this process
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join(CASES))
+        return 0
+    if args.run:
+        case = CASES[args.run]._replace(scan=False) if args.unrolled else CASES[args.run]
+        print(json.dumps(run_case(case, args.preset, args.batch, args.seq, args.vocab, args.layers)))
+        return 0
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        raise ValueError(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+
+    print(f"{args.preset}, vocab {args.vocab}, batch {args.batch}{f', seq {args.seq}' if args.seq else ''}: seconds from the first JAX "
+          f"call to a compiled step (load average {os.getloadavg()[0]:.1f})")
+    head = f"{'case':<16} {'layers':>6} {'construct':>9} {'init':>6} {'trace':>6} {'lower':>6} {'compile':>7} {'ready':>6}"
+    print(head + ("  start" if args.cache else ""))
+    for name in args.cases:
+        case = CASES[name]._replace(scan=False) if args.unrolled else CASES[name]
+        if args.cache:
+            shutil.rmtree(args.cache, ignore_errors=True)
+        for when in ("cold", "warm") if args.cache else ("",):
+            r = start(name, args, args.cache)
+            layers = f"{args.layers or case.layers}{'s' if case.scan else 'u'}"
+            print(f"{name:<16} {layers:>6} {r['construct']:9.2f} {r['init']:6.2f} {r['trace']:6.2f} {r['lower']:6.2f} "
+                  f"{r['compile']:7.2f} {r['ready']:6.2f}  {when}".rstrip(), flush=True)
+    print("layers: s scanned (one lax.scan), u unrolled; construct: shapes under eval_shape and the strategy's checks; "
+          "init: model and optimizer state created in their shardings (compile and run); compile: the step's XLA "
+          "compile, or its read from the cache on a warm start")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,7 +4,9 @@ Both must happen before JAX or eqgpt is imported, so they live here, as does the
 optimisation level of every compile (below). Compiled
 programs are released after each test module. (JAX's
 persistent compilation cache is deliberately off: reading an entry another xdist
-worker was writing crashed a worker with a segmentation fault on jax 0.10.2.)
+worker was writing crashed a worker with a segmentation fault on jax 0.10.2. The
+recipe turns it on by default; EQGPT_NO_COMPILE_CACHE keeps it off in every recipe
+run of the suite, in this process and in the subprocesses that inherit it.)
 """
 
 import os
@@ -16,6 +18,7 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 # unchanged, the kernels are less optimised, and the suite (compile-bound: tiny models, few steps)
 # runs about a sixth faster. Every comparison is between programs compiled alike.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+os.environ["EQGPT_NO_COMPILE_CACHE"] = "1"
 
 import jax  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402

@@ -59,3 +59,34 @@ def test_pipeline_balance_prints_equal_and_balanced_stages(capsys):
     assert lines[1].split() == ["split", "row", "stage", "0", "stage", "1", "slowest"]
     assert lines[2].split()[:2] == ["equal", "layers"] and lines[4].split()[:2] == ["auto", "layers"]
     assert sum(map(int, lines[4].split()[2:])) == 4  # nano's 4 layers, on the balanced split too
+
+
+def test_compile_time_prints_each_phase_of_a_cold_and_a_warm_start(tmp_path, capsys):
+    args = ["--preset", "nano", "--vocab", "256", "--seq", "32", "--layers", "2", "--cases", "1 device", "--cache", str(tmp_path)]
+    assert load("compile_time").main(args) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("1 device")]
+    assert [r[-1] for r in rows] == ["cold", "warm"]
+    (cold, warm) = [dict(zip(["construct", "init", "trace", "lower", "compile", "ready"], map(float, r[3:9]), strict=True))
+                    for r in rows]
+    for r in (cold, warm):  # the phases add up to the time to a compiled step
+        assert abs(sum(v for k, v in r.items() if k != "ready") - r["ready"]) < 0.05, r
+    assert warm["compile"] < cold["compile"] / 2  # the warm start read the step from the cache
+
+
+def test_matmul_floor_reads_the_matmuls_of_the_whole_training_step():
+    import equinox as eqx
+
+    import eqgpt
+    from eqgpt.data.batch import Batch
+    from eqgpt.nn import lm_loss
+
+    floor = load("matmul_floor")
+    cfg = eqgpt.GPTConfig(vocab_size=32, seq_len=16, num_layers=2, num_heads=2, embed_dim=16, use_bias=False,
+                          tie_embeddings=True, attention_kernel="reference")
+    _, jaxpr = floor.training_step(cfg, 2)  # traced, not compiled
+    step = floor.dot_shapes(jaxpr)
+    batch = Batch.from_windows(np.zeros((2, 17), np.int32))
+    grad = eqx.filter_grad(lambda m: lm_loss(m, jnp.asarray(batch.tokens), jnp.asarray(batch.targets))[0])
+    model = eqx.filter_eval_shape(lambda: eqgpt.nn.GPT(cfg, key=jax.random.key(0)))
+    assert step == floor.dot_shapes(jax.make_jaxpr(grad)(model).jaxpr)  # forward + backward; the update has none
+    assert sum(step.values()) > 2 * 3 * 6  # per layer at least q, k, v, o, up, down, each 3 times
