@@ -29,6 +29,7 @@ from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
+from eqgpt.parallel.overlap import set_overlap_flags
 from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text
@@ -170,6 +171,8 @@ class TrainConfig:
     """Keep the optimizer state in pinned host memory between steps (docs/memory.md)."""
     offload_params: bool = False
     """Keep the parameters in pinned host memory between steps too (with FSDP, each device's shard; docs/memory.md)."""
+    overlap: bool = False
+    """Overlap communication with compute: XLA's GPU scheduler flags (set before JAX starts) and FSDP weight prefetch; see docs/course/17-optimizing-communication.md."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
@@ -227,7 +230,7 @@ def strategy_of(cfg: TrainConfig) -> Strategy:
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
                           virtual_stages=cfg.virtual_stages, pipeline_layers=cfg.pipeline_layers, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
                           offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
-                          expert=cfg.expert)
+                          expert=cfg.expert, overlap=cfg.overlap)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:
@@ -381,6 +384,8 @@ def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strat
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
     t0 = time.perf_counter()
+    if cfg.overlap:  # XLA reads its flags when the backend starts: before anything below
+        set_overlap_flags()
     if cfg.cpu_devices:  # must precede the first use of a JAX backend
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings

@@ -47,6 +47,7 @@ from eqgpt.parallel.expert import ExpertConfig, ExpertPart
 from eqgpt.parallel.manual import ManualPart
 from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.offload import OffloadPart
+from eqgpt.parallel.overlap import OverlapPart
 from eqgpt.parallel.part import GradFn, LossFn, Part, Update
 from eqgpt.parallel.pipeline.part import PipelineConfig, PipelinePart, pipeline_schedule
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
@@ -56,7 +57,8 @@ from eqgpt.precision import Policy
 
 # The parts a strategy's fields can ask for, in the order every method folds over them
 # (and `describe` lists them). A new kind of parallelism is one module and one entry here.
-PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart, ManualPart, OffloadPart)
+PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart, ManualPart, OffloadPart,
+                                 OverlapPart)
 
 # How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
 RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
@@ -102,6 +104,9 @@ class Strategy:
     - `expert`: an `eqgpt.parallel.expert.ExpertConfig`: how MoE layers' experts run
       over the mesh's `expert` axis (default, whenever that axis is > 1: explicit
       all-to-alls; see `docs/parallelism/expert.md`).
+    - `overlap`: overlap communication with compute: XLA's GPU scheduler flags (set
+      before the backend starts: `eqgpt.parallel.overlap.set_overlap_flags`) and FSDP
+      weight prefetch (`eqgpt.parallel.overlap`).
     - `extra_parts`: `eqgpt.parallel.part.Part`s of your own, folded after those
       the fields above ask for.
 
@@ -119,6 +124,7 @@ class Strategy:
     offload_opt_state: bool = False
     offload_params: bool = False
     expert: ExpertConfig | None = None
+    overlap: bool = False
     extra_parts: tuple[Part, ...] = ()
 
     def __post_init__(self):
@@ -168,6 +174,7 @@ class Strategy:
         offload_opt_state: bool = False,
         offload_params: bool = False,
         expert: str | None = None,
+        overlap: bool = False,
     ) -> Strategy:
         """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
 
@@ -176,14 +183,14 @@ class Strategy:
         `microbatches`, `virtual_stages`, `pipeline_layers` ("equal", "auto" or counts
         such as "4,4,4,0"), `context` ("ring", "allgather" or `None`),
         `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`,
-        `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis).
+        `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis), `overlap`.
         """
         pipe = (PipelineConfig(pipeline, microbatches, virtual_stages, PipelineConfig.parse_layers(pipeline_layers))
                 if pipeline else None)
         ctx = ContextConfig(impl=context) if context else None
         return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
                    offload_opt_state=offload_opt_state, offload_params=offload_params,
-                   expert=ExpertConfig(expert) if expert else None)
+                   expert=ExpertConfig(expert) if expert else None, overlap=overlap)
 
     # ------------------------------------------------------------------ what it uses
 
