@@ -5,7 +5,7 @@ and `True`) and prints: collectives per step (ops and executions) and their byte
 device (`eqgpt.profile.collectives`); the share of those bytes with compute beside them
 to hide behind (`eqgpt.profile.schedule`: structurally, and with enough of it at a
 nominal link of `--bandwidth` bytes/s and `--peak` FLOP/s); and the measured step time
-(median of `--steps`). On CPU, XLA runs every collective synchronously and ignores the
+(median of `--steps`), and XLA's temporary memory per device. On CPU, XLA runs every collective synchronously and ignores the
 GPU flags, so times show the cost of the changed program, not hidden communication.
 Run: `python benchmarks/overlap.py` (8 simulated CPU devices unless a GPU is present).
 """
@@ -37,7 +37,7 @@ def measure(name: str, overlap: bool, args) -> dict:
     import eqgpt
     from eqgpt import nn
     from eqgpt.data import Batch
-    from eqgpt.profile import collectives, schedule, schedule_summary
+    from eqgpt.profile import collectives, memory, schedule, schedule_summary
     from eqgpt.train import Strategy, TrainState, make_train_step
 
     mesh, rules, manual = CASES[name]
@@ -63,7 +63,8 @@ def measure(name: str, overlap: bool, args) -> dict:
         times.append(time.perf_counter() - t0)
     return {"ops": len(rows), "runs": sum(r.executions for r in rows), "bytes": structural.total,
             "share": structural.overlappable_share, "nominal": nominal.overlappable_share,
-            "async": structural.async_bytes, "seconds": statistics.median(times[1:])}
+            "async": structural.async_bytes, "temp": memory(compiled).temp_bytes,
+            "seconds": statistics.median(times[1:])}
 
 
 def main(argv=None) -> int:
@@ -88,13 +89,15 @@ def main(argv=None) -> int:
         raise SystemExit("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8 (or on 8 GPUs)")
     print(f"{jax.default_backend()}, {jax.device_count()} devices; GPT {args.layers} layers x {args.embed}, "
           f"seq {args.seq}, batch {args.batch}, {'scanned' if args.scan else 'unrolled'}; per device per step")
-    head = ("strategy", "overlap", "ops", "runs", "KiB", "overlappable", "at nominal", "async KiB", "step ms")
+    head = ("strategy", "overlap", "ops", "runs", "KiB", "overlappable", "at nominal", "async KiB", "temp KiB",
+            "step ms")
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for name in args.cases:
         for overlap in (False, True):
             m = measure(name, overlap, args)
             print(f"| {name} | {'on' if overlap else 'off'} | {m['ops']} | {m['runs']} | {m['bytes'] / 1024:.1f} | "
-                  f"{m['share']:.0%} | {m['nominal']:.0%} | {m['async'] / 1024:.1f} | {m['seconds'] * 1e3:.1f} |",
+                  f"{m['share']:.0%} | {m['nominal']:.0%} | {m['async'] / 1024:.1f} | "
+                  f"{m['temp'] / 1024:.0f} | {m['seconds'] * 1e3:.1f} |",
                   flush=True)
     return 0
 
