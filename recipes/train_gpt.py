@@ -369,7 +369,7 @@ def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strat
     bytes per device (before compiling), then beside the compiled step's memory analysis."""
     if not (cfg.report or cfg.estimate):
         return
-    from eqgpt.profile import estimate, report
+    from eqgpt.profile import estimate, report, schedule_table
 
     predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy) if cfg.estimate else None
     if predicted is not None:
@@ -377,6 +377,7 @@ def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strat
     compiled = step_fn.lower(state, first_batch()).compile()
     if cfg.report:
         log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+        log(schedule_table(compiled, mesh=strategy.mesh, title=f"{strategy.describe()}: exposed vs overlappable"))
     if predicted is not None:
         log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
 
