@@ -8,15 +8,18 @@ Two things, one switch (`--overlap` in `recipes/train_gpt.py`):
    device (the recipe calls it first thing). They are GPU options: the CPU and TPU
    backends accept and ignore them (TPU schedules for overlap by default).
 2. **FSDP prefetch** (`PrefetchStack`): where the rules split weights over `fsdp`,
-   the layer stack gathers layer `i+1`'s weights in the same loop iteration that
-   runs layer `i` and carries them to the next, in the scanned and the unrolled
-   stack alike. So the all-gather has a layer of compute it does not depend on,
-   which an asynchronous scheduler runs it beside. In the backward pass each
-   layer's weight gradient is reduce-scattered in the iteration that computes it
-   (the gather's transpose pins it to the weight's sharding), not at the end.
+   the layer stack gathers layer `i+1`'s weights in the loop iteration that runs
+   layer `i` and carries them to the next, in the scanned and the unrolled stack
+   alike; the backward pass, in reverse, gathers layer `i-1`'s weights while layer
+   `i`'s gradient is computed. So each all-gather has a layer of compute it does not
+   depend on, which an asynchronous scheduler runs it beside. Each layer's weight
+   gradient is reduce-scattered in the iteration that computes it, not at the end.
 
-Communication volume is unchanged: the same weights are gathered once per layer per
-pass. Memory grows by one layer's gathered weights (two layers' live instead of one).
+   A custom VJP does this: the forward keeps each layer's VJP residuals *except* its
+   gathered weights, and the backward gathers them again (as FSDP does without
+   prefetch), so communication volume and memory stay those of FSDP, plus one more
+   layer's gathered weights alive at a time.
+
 See `docs/course/17-optimizing-communication.md`.
 """
 
@@ -88,24 +91,6 @@ def set_overlap_flags() -> bool:
 # ------------------------------------------------------------------ FSDP prefetch
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather(w: Array, gathered: NamedSharding, sharded: NamedSharding) -> Array:
-    """`w` in its gathered layout; the gradient goes back in the weight's own (sharded) layout,
-    so each layer's gradient is reduce-scattered where it is computed."""
-    return jax.lax.with_sharding_constraint(w, gathered)
-
-
-def _gather_fwd(w, gathered, sharded):
-    return jax.lax.with_sharding_constraint(w, gathered), None
-
-
-def _gather_bwd(gathered, sharded, _, g):
-    return (jax.lax.with_sharding_constraint(g, sharded),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
 def _without(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
     def entry(e):
         kept = tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a not in axes)
@@ -114,12 +99,114 @@ def _without(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*(entry(e) for e in spec))
 
 
+def _hoist(fn: Callable, *example: Any) -> tuple[Callable, list]:
+    """`fn` with every value it closes over (the positions and masks the model's layer
+    reads) as trailing arguments, and those values: a custom VJP may not close over them."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+    out_tree = jax.tree.structure(shape)
+    if any(isinstance(c, jax.core.Tracer) and jnp.issubdtype(c.dtype, jnp.inexact) for c in closed.consts):
+        raise ValueError("overlap's FSDP prefetch runs layers that read only their weights and integer inputs "
+                         "(positions, segment ids); this layer also reads a float array from outside, which would "
+                         "get no gradient. Pass it in the layer's weights, or drop overlap.")
+
+    def explicit(*args):
+        n = len(args) - len(closed.consts)
+        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, args[n:], *jax.tree.leaves(args[:n])))
+
+    return explicit, list(closed.consts)
+
+
+class _Plan:
+    """What the custom VJP of one prefetched stack needs besides arrays (hashed by identity)."""
+
+    def __init__(self, stack: PrefetchStack, layer: Callable, unroll: int | bool):
+        self.stack, self.layer, self.unroll = stack, layer, unroll
+        self.residuals = None  # (treedef of a layer's VJP, per residual: the weight it is, or None)
+
+    def gather(self, weights: list[Array]) -> list[Array]:
+        return [jax.lax.with_sharding_constraint(w, NamedSharding(self.stack.mesh, g))
+                for w, g in zip(weights, self.stack.gathered, strict=True)]
+
+    def scatter(self, grads: list[Array]) -> list[Array]:
+        return [jax.lax.with_sharding_constraint(g, NamedSharding(self.stack.mesh, s))
+                for g, s in zip(grads, self.stack.sharded, strict=True)]
+
+    def apply(self, h, weights, consts, keep: bool):
+        """One layer; with `keep`, also its VJP's residuals other than the gathered weights."""
+        if not keep:
+            return self.layer(h, weights, *consts), []
+        out, vjp = jax.vjp(lambda h, w: self.layer(h, w, *consts), h, weights)
+        res, tree = jax.tree.flatten(vjp)
+        where = tuple(next((k for k, w in enumerate(weights) if r is w), None) for r in res)
+        if self.residuals is None:  # the same layer computation each time: one structure serves all
+            self.residuals = (tree, where)
+        elif (self.residuals[0].num_leaves, self.residuals[1]) != (tree.num_leaves, where):
+            raise ValueError("a layer's VJP residuals differ between layers of one stack; run it without overlap.")
+        return out, [r for r, k in zip(res, where, strict=True) if k is None]
+
+    def forward(self, x, leaves, consts, keep: bool):
+        def step(carry, upcoming):
+            h, weights = carry
+            upcoming = self.gather(upcoming)  # issued before this layer's compute, needed by the next
+            (h, ys), kept = self.apply(h, weights, consts, keep)
+            return (h, upcoming), (ys, kept)
+
+        first = self.gather([w[0] for w in leaves])
+        (x, last), (ys, kept) = jax.lax.scan(step, (x, first), [w[1:] for w in leaves], unroll=self.unroll)
+        (x, y_last), kept_last = self.apply(x, last, consts, keep)
+        stack = lambda a, b: jnp.concatenate([a, b[None]])  # noqa: E731
+        return (x, jax.tree.map(stack, ys, y_last)), jax.tree.map(stack, kept, kept_last)
+
+    def layer_grad(self, dh, g_y, weights, kept, consts):
+        tree, where = self.residuals
+        kept = iter(kept)
+        vjp = jax.tree.unflatten(tree, [next(kept) if k is None else weights[k] for k in where])
+        dh, dweights = vjp((dh, g_y))
+        return dh, self.scatter(dweights)  # this layer's gradient reduce-scattered here
+
+    def backward(self, g, leaves, kept, consts):
+        dh, g_ys = g
+
+        def step(carry, xs):
+            dh, weights = carry
+            previous, kept_i, g_y = xs
+            previous = self.gather(previous)  # the layer below's weights, for the next step
+            dh, dweights = self.layer_grad(dh, g_y, weights, kept_i, consts)
+            return (dh, previous), dweights
+
+        top = self.gather([w[-1] for w in leaves])
+        rest = ([w[:-1] for w in leaves], [k[1:] for k in kept], jax.tree.map(lambda a: a[1:], g_ys))
+        (dh, bottom), dweights = jax.lax.scan(step, (dh, top), rest, reverse=True, unroll=self.unroll)
+        dh, d0 = self.layer_grad(dh, jax.tree.map(lambda a: a[0], g_ys), bottom, [k[0] for k in kept], consts)
+        return dh, [jnp.concatenate([a[None], b]) for a, b in zip(d0, dweights, strict=True)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _prefetched(plan: _Plan, x, leaves, *consts):
+    return plan.forward(x, leaves, consts, keep=False)[0]
+
+
+def _prefetched_fwd(plan, x, leaves, *consts):
+    out, kept = plan.forward(x, leaves, consts, keep=True)
+    return out, (leaves, kept, consts)
+
+
+def _prefetched_bwd(plan, res, g):
+    leaves, kept, consts = res
+    dx, dleaves = plan.backward(g, leaves, kept, consts)
+    return (dx, dleaves, *(None for _ in consts))
+
+
+_prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)
+
+
 class PrefetchStack(eqx.Module):
     """The model's activation hook, also running its layer stack with prefetched weights.
 
     `eqgpt.nn.GPT` runs its layers through `run_stack` when its `shard` hook has one
     (else `jax.lax.scan`). This one gathers layer `i+1`'s weights in the iteration of
-    layer `i` and carries them (see module docs).
+    layer `i` and carries them, and in the backward pass layer `i-1`'s in the
+    iteration of layer `i` (see module docs).
 
     **Fields:** `inner` (the hook it stands in for), `mesh`, and per array of one
     layer (in `jax.tree.leaves` order) its `sharded` and `gathered` specs.
@@ -135,28 +222,15 @@ class PrefetchStack(eqx.Module):
         """The activation constraint of `inner`."""
         return self.inner(x, names)
 
-    def _gather(self, layer: list[Array]) -> list[Array]:
-        return [_gather(w, NamedSharding(self.mesh, g), NamedSharding(self.mesh, s))
-                for w, g, s in zip(layer, self.gathered, self.sharded, strict=True)]
-
     def run_stack(self, layer: Callable, x: PyTree, stacked: PyTree, *, unroll: int | bool = 1):
-        """`jax.lax.scan(layer, x, stacked, unroll=unroll)`, with layer `i+1`'s weights gathered
-        while layer `i` runs. **Returns:** `(x, ys)` as the scan would."""
+        """`jax.lax.scan(layer, x, stacked, unroll=unroll)` with prefetched weights (`layer(h, params)
+        -> (h, ys)`). **Returns:** `(x, ys)` as the scan would."""
         leaves, tree = jax.tree.flatten(stacked)
         if len(leaves) != len(self.gathered):
             raise ValueError(f"PrefetchStack holds specs for {len(self.gathered)} arrays per layer, the stack "
                              f"has {len(leaves)}; install it with install_prefetch on the model it runs.")
-        first = self._gather([w[0] for w in leaves])
-
-        def step(carry, nxt):
-            h, weights = carry
-            upcoming = self._gather(nxt)  # issued before this layer's compute, needed by the next
-            h, ys = layer(h, tree.unflatten(weights))
-            return (h, upcoming), ys
-
-        (x, last), ys = jax.lax.scan(step, (x, first), [w[1:] for w in leaves], unroll=unroll)
-        x, y_last = layer(x, tree.unflatten(last))
-        return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y_last)
+        explicit, consts = _hoist(lambda h, weights: layer(h, tree.unflatten(weights)), x, [w[0] for w in leaves])
+        return _prefetched(_Plan(self, explicit, unroll), x, leaves, *consts)
 
 
 def prefetch_axes(strategy: Any) -> tuple[str, ...]:
