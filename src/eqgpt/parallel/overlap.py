@@ -145,6 +145,8 @@ class _Plan:
         return out, [r for r, k in zip(res, where, strict=True) if k is None]
 
     def forward(self, x, leaves, consts, keep: bool):
+        """Layers `0..L-2` in a scan, each gathering the next layer's weights, then the last.
+        **Returns:** `((x, ys), (kept of layers 0..L-2 stacked, kept of the last))`."""
         def step(carry, upcoming):
             h, weights = carry
             upcoming = self.gather(upcoming)  # issued before this layer's compute, needed by the next
@@ -154,8 +156,7 @@ class _Plan:
         first = self.gather([w[0] for w in leaves])
         (x, last), (ys, kept) = jax.lax.scan(step, (x, first), [w[1:] for w in leaves], unroll=self.unroll)
         (x, y_last), kept_last = self.apply(x, last, consts, keep)
-        stack = lambda a, b: jnp.concatenate([a, b[None]])  # noqa: E731
-        return (x, jax.tree.map(stack, ys, y_last)), jax.tree.map(stack, kept, kept_last)
+        return (x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y_last)), (kept, kept_last)
 
     def layer_grad(self, dh, g_y, weights, kept, consts):
         tree, where = self.residuals
@@ -165,20 +166,29 @@ class _Plan:
         return dh, self.scatter(dweights)  # this layer's gradient reduce-scattered here
 
     def backward(self, g, leaves, kept, consts):
-        dh, g_ys = g
+        """The last layer, then layers `L-2..1` in a reverse scan, each gathering the weights of
+        the layer below, then layer 0. The forward's residual stacks are indexed, never sliced
+        (a slice would copy every layer's activations)."""
+        (dh, g_ys), (kept, kept_last), n = g, kept, leaves[0].shape[0]
+        g_at = lambda i: jax.tree.map(lambda a: a[i], g_ys)  # noqa: E731
+        weights = self.gather([w[-1] for w in leaves])
+        below = self.gather([w[-2] for w in leaves]) if n > 1 else None
+        dh, d_last = self.layer_grad(dh, g_at(n - 1), weights, kept_last, consts)
+        if n == 1:
+            return dh, [d[None] for d in d_last]
 
         def step(carry, xs):
             dh, weights = carry
-            previous, kept_i, g_y = xs
+            i, previous, g_y = xs
             previous = self.gather(previous)  # the layer below's weights, for the next step
-            dh, dweights = self.layer_grad(dh, g_y, weights, kept_i, consts)
+            dh, dweights = self.layer_grad(dh, g_y, weights, [jax.lax.dynamic_index_in_dim(k, i, keepdims=False)
+                                                              for k in kept], consts)
             return (dh, previous), dweights
 
-        top = self.gather([w[-1] for w in leaves])
-        rest = ([w[:-1] for w in leaves], [k[1:] for k in kept], jax.tree.map(lambda a: a[1:], g_ys))
-        (dh, bottom), dweights = jax.lax.scan(step, (dh, top), rest, reverse=True, unroll=self.unroll)
-        dh, d0 = self.layer_grad(dh, jax.tree.map(lambda a: a[0], g_ys), bottom, [k[0] for k in kept], consts)
-        return dh, [jnp.concatenate([a[None], b]) for a, b in zip(d0, dweights, strict=True)]
+        middle = (jnp.arange(1, n - 1), [w[: n - 2] for w in leaves], jax.tree.map(lambda a: a[1: n - 1], g_ys))
+        (dh, bottom), d_mid = jax.lax.scan(step, (dh, below), middle, reverse=True, unroll=self.unroll)
+        dh, d0 = self.layer_grad(dh, g_at(0), bottom, [k[0] for k in kept], consts)
+        return dh, [jnp.concatenate([a[None], b, c[None]]) for a, b, c in zip(d0, d_mid, d_last, strict=True)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
