@@ -59,3 +59,12 @@ def test_pipeline_balance_prints_equal_and_balanced_stages(capsys):
     assert lines[1].split() == ["split", "row", "stage", "0", "stage", "1", "slowest"]
     assert lines[2].split()[:2] == ["equal", "layers"] and lines[4].split()[:2] == ["auto", "layers"]
     assert sum(map(int, lines[4].split()[2:])) == 4  # nano's 4 layers, on the balanced split too
+
+
+def test_overlap_benchmark_prints_both_settings_with_the_same_bytes(capsys):
+    assert load("overlap").main(["--cases", "fsdp", "--layers", "3", "--embed", "32", "--seq", "32",
+                                 "--batch", "8", "--steps", "1", "--scan"]) == 0
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| fsdp")]
+    assert [r[1].strip() for r in rows] == ["off", "on"]
+    kib = [float(r[4]) for r in rows]
+    assert abs(kib[0] - kib[1]) <= 0.01 * kib[0]
