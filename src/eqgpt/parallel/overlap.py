@@ -288,8 +288,11 @@ class OverlapPart(Part):
 
     def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
-        if not prefetch_axes(strategy) or not all(p.automatic for p in strategy.parts) or strategy.pipeline:
-            return loss  # nothing to prefetch, or the layers run elsewhere (manual path, pipeline)
+        if not prefetch_axes(strategy):
+            return loss  # no weights split over fsdp: the flags are all overlap does
+        if not all(p.automatic for p in strategy.parts) or strategy.pipeline:
+            _log.info("overlap: the pipeline runs the layers itself; FSDP weights are not prefetched")
+            return loss
 
         def prefetched(model, batch):
             return loss(install_prefetch(model, strategy), batch)
