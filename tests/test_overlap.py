@@ -7,6 +7,9 @@ the prefetch and the report are read from compiled programs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import equinox as eqx
@@ -148,6 +151,13 @@ def test_overlap_part_and_flags():
     assert par.overlap.prefetch_axes(Strategy(par.make_mesh("data=8"), "dp", overlap=True)) == ()
     # The backend is running: the flags cannot take effect any more, and nothing changes.
     assert par.overlap.set_overlap_flags() == par.overlap.overlap_flags_set()
+    # Before it starts they are set, and XLA's CPU backend starts with them (it stops at an unknown flag).
+    code = ("from eqgpt.parallel.overlap import OVERLAP_FLAGS, set_overlap_flags\n"
+            "import os, jax, jax.numpy as jnp\nassert set_overlap_flags()\nprint(jax.jit(lambda x: x + 1)(jnp.ones(2)))\n"
+            "assert all(f in os.environ['XLA_FLAGS'] for f in OVERLAP_FLAGS)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "[2. 2.]" in proc.stdout, proc.stderr[-2000:]
     model = par.overlap.install_prefetch(nn.GPT(CONFIGS["gpt"], key=jax.random.key(0)), strategy)
     stack = model.shard
     assert isinstance(stack, par.overlap.PrefetchStack)
