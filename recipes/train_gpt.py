@@ -31,6 +31,7 @@ from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
 from eqgpt.parallel.communication import bucket_report
+from eqgpt.parallel.overlap import set_overlap_flags
 from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text
@@ -181,6 +182,8 @@ class TrainConfig:
     """With --manual and 'sp': each region's all-gather/reduce-scatter as a ring of permutes interleaved with the matmuls (docs/parallelism/sp.md)."""
     bucket_mb: float | None = None
     """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
+    overlap: bool = False
+    """Overlap communication with compute: XLA's GPU scheduler flags (set before JAX starts) and FSDP weight prefetch; see docs/course/17-optimizing-communication.md."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
@@ -253,7 +256,8 @@ def strategy_of(cfg: TrainConfig) -> Strategy:
     return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
                           virtual_stages=cfg.virtual_stages, pipeline_layers=cfg.pipeline_layers, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
                           offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
-                          expert=cfg.expert, collective_matmul=cfg.collective_matmul, bucket_mb=cfg.bucket_mb)
+                          expert=cfg.expert, collective_matmul=cfg.collective_matmul, bucket_mb=cfg.bucket_mb,
+                          overlap=cfg.overlap)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:
@@ -407,7 +411,7 @@ def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strat
     bytes per device (before compiling), then beside the compiled step's memory analysis."""
     if not (cfg.report or cfg.estimate):
         return
-    from eqgpt.profile import estimate, report
+    from eqgpt.profile import estimate, report, schedule_table
 
     predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy) if cfg.estimate else None
     if predicted is not None:
@@ -415,6 +419,7 @@ def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strat
     compiled = step_fn.lower(state, first_batch()).compile()
     if cfg.report:
         log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+        log(schedule_table(compiled, mesh=strategy.mesh, title=f"{strategy.describe()}: exposed vs overlappable"))
     if predicted is not None:
         log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
 
@@ -445,6 +450,8 @@ def use_compile_cache(cfg: TrainConfig) -> Path | None:
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
     t0 = time.perf_counter()
+    if cfg.overlap:  # XLA reads its flags when the backend starts: before anything below
+        set_overlap_flags()
     if cfg.cpu_devices:  # must precede the first use of a JAX backend
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     compile_cache = use_compile_cache(cfg)

@@ -170,7 +170,9 @@ class GPT(eqx.Module):
                     return block.with_stats(h, positions=positions, segment_ids=segment_ids, **extra)
                 return block(h, positions=positions, segment_ids=segment_ids, **extra), None
 
-        x, stats = jax.lax.scan(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
+        # A strategy may run the stack its own way through the hook (eqgpt.parallel.overlap prefetches weights).
+        scan = getattr(self.shard, "run_stack", None) or jax.lax.scan
+        x, stats = scan(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
 
     def features(

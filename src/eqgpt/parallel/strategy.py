@@ -48,6 +48,7 @@ from eqgpt.parallel.expert import ExpertConfig, ExpertPart
 from eqgpt.parallel.manual import ManualPart
 from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.offload import OffloadPart
+from eqgpt.parallel.overlap import OverlapPart
 from eqgpt.parallel.part import GradFn, LossFn, Part, Update
 from eqgpt.parallel.pipeline.part import PipelineConfig, PipelinePart, pipeline_schedule
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
@@ -58,7 +59,7 @@ from eqgpt.precision import Policy
 # The parts a strategy's fields can ask for, in the order every method folds over them
 # (and `describe` lists them). A new kind of parallelism is one module and one entry here.
 PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart, CommunicationPart, ManualPart,
-                                  OffloadPart)
+                                  OffloadPart, OverlapPart)
 
 # How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
 RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
@@ -106,6 +107,9 @@ class Strategy:
       all-to-alls; see `docs/parallelism/expert.md`).
     - `collective_matmul`, `bucket_mb`: collective matmul under manual SP, and gradient
       all-reduces in buckets of `bucket_mb` MiB (`eqgpt.parallel.communication`).
+    - `overlap`: overlap communication with compute: XLA's GPU scheduler flags (set
+      before the backend starts: `eqgpt.parallel.overlap.set_overlap_flags`) and FSDP
+      weight prefetch (`eqgpt.parallel.overlap`).
     - `extra_parts`: `eqgpt.parallel.part.Part`s of your own, folded after those
       the fields above ask for.
 
@@ -123,6 +127,7 @@ class Strategy:
     offload_opt_state: bool = False
     offload_params: bool = False
     expert: ExpertConfig | None = None
+    overlap: bool = False
     extra_parts: tuple[Part, ...] = ()
     collective_matmul: bool = False
     bucket_mb: float | None = None
@@ -176,6 +181,7 @@ class Strategy:
         expert: str | None = None,
         collective_matmul: bool = False,
         bucket_mb: float | None = None,
+        overlap: bool = False,
     ) -> Strategy:
         """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
 
@@ -185,7 +191,7 @@ class Strategy:
         such as "4,4,4,0"), `context` ("ring", "allgather", "ulysses" or `None`),
         `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`,
         `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis),
-        `collective_matmul`, `bucket_mb` (`eqgpt.parallel.communication`).
+        `collective_matmul`, `bucket_mb` (`eqgpt.parallel.communication`), `overlap` (`eqgpt.parallel.overlap`).
         """
         pipe = (PipelineConfig(pipeline, microbatches, virtual_stages, PipelineConfig.parse_layers(pipeline_layers))
                 if pipeline else None)
@@ -193,7 +199,7 @@ class Strategy:
         return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
                    offload_opt_state=offload_opt_state, offload_params=offload_params,
                    expert=ExpertConfig(expert) if expert else None, collective_matmul=collective_matmul,
-                   bucket_mb=bucket_mb)
+                   bucket_mb=bucket_mb, overlap=overlap)
 
     # ------------------------------------------------------------------ what it uses
 

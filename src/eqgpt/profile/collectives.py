@@ -86,6 +86,7 @@ class _Instr:
     op_name: str = ""  # JAX's name of the op (metadata)
     groups: tuple[tuple[int, ...], ...] = ()  # device groups, or (source, target) pairs
     pairs: bool = False
+    contracting: tuple[int, ...] = ()  # of a dot: the left operand's contracting dimensions
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ def _module_from_proto(serialized: bytes) -> _Module:
                 trip_count=trip, index=_one(i, 13, 0) if opcode == "get-tuple-element" else None,
                 param=_one(i, 9, 0) if opcode == "parameter" else None,
                 op_name=_text(_fields(_one(i, 7, b"")), 2), groups=groups, pairs=pairs,
+                contracting=tuple(_ints(_fields(_one(i, 30, b"")).get(1, []))) if opcode == "dot" else (),
             ))
         comps[_text(c, 1)] = out
     return _Module(comps, entry, roots)
@@ -428,11 +430,13 @@ def _text_instr(line: str) -> tuple[_Instr, bool] | None:
     meta = re.search(r'op_name="([^"]*)"', attrs)
     groups, pairs = _text_groups(attrs) if _base_kind(opcode) else ((), False)
     param = int(operands[0]) if opcode == "parameter" and operands and operands[0].isdigit() else None
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs) if opcode == "dot" else None
     return _Instr(
         name=name, opcode=opcode, arrays=_text_arrays(type_), is_tuple=type_.startswith("("),
         operands=() if opcode == "parameter" else operands, called=_text_called(attrs),
         trip_count=int(trip.group(1)) if trip else None, index=int(index.group(1)) if index else None,
         param=param, op_name=meta.group(1) if meta else "", groups=groups, pairs=pairs,
+        contracting=tuple(_int_list(contracting.group(1))) if contracting else (),
     ), is_root
 
 
@@ -649,7 +653,11 @@ def collectives(compiled: Any, mesh: Any = None) -> list[Collective]:
     reported as `"all-reduce+slice"` (see module docs). A compiled program is
     read from its HLO module proto (see module docs), text as given.
     """
-    module = _module(compiled)
+    return _rows(_module(compiled), mesh)
+
+
+def _rows(module: _Module, mesh: Any = None) -> list[Collective]:
+    """The rows of `collectives` from a parsed module."""
     comps = module.comps
     mult, unknown = _multiplicities(module)
     rows: list[Collective] = []

@@ -1,0 +1,210 @@
+"""The schedule report: which collectives of a compiled program can hide behind compute.
+
+A compiled module is *scheduled*: its HLO text lists each computation's
+instructions in the order they run. `schedule(compiled)` reads that text (with the
+parser of `eqgpt.profile.collectives`, so it lists exactly the inventory's
+collectives and bytes) and tells, for each collective:
+
+- `is_async`: compiled as a `-start`/`-done` pair, so compute can run in between;
+- `overlap_flops`: matmul FLOPs of the instructions scheduled between its start
+  and its done (0 for a synchronous collective): the compute it does overlap;
+- `independent_flops`: matmul FLOPs in the same computation that neither feed it
+  nor use its result: the compute a latency-hiding scheduler *could* put beside it.
+
+FLOPs are those of `dot`s, `2 x (result elements) x (contracted size)`, including
+dots inside fusions and called computations and loop bodies (times their trip
+count); elementwise work counts 0. Figures are per execution of the collective,
+bytes as the inventory counts them (per device, large side).
+
+Bytes are *exposed* unless compute is scheduled beside them; *overlappable* where
+independent compute exists. With a link `bandwidth` (bytes/s) and a `peak`
+(FLOP/s), a collective is *hidden* when `bytes / bandwidth <= overlap_flops / peak`.
+XLA's CPU backend runs every collective synchronously, so on CPU everything is
+exposed and the report shows the structure (how much could overlap); a GPU with
+`eqgpt.parallel.overlap`'s flags compiles them asynchronously.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from eqgpt.profile.collectives import Collective, _human, _Instr, _Module, _module_from_text, _rows
+from eqgpt.profile.text import table_text
+
+
+@dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective with its place in the schedule.
+
+    **Fields:** `collective` (the inventory's row), `overlap_flops` and
+    `independent_flops` (per execution; see module docs).
+    """
+
+    collective: Collective
+    overlap_flops: int
+    independent_flops: int
+
+    @property
+    def is_async(self) -> bool:
+        """Whether it is compiled as a `-start`/`-done` pair."""
+        return self.collective.is_async
+
+    def hidden(self, bandwidth: float | None = None, peak: float | None = None) -> bool:
+        """Whether compute is scheduled beside it; with `bandwidth` (bytes/s) and `peak` (FLOP/s),
+        whether that compute lasts at least as long as the transfer."""
+        if not (self.is_async and self.overlap_flops > 0):
+            return False
+        return bandwidth is None or peak is None or self.collective.bytes / bandwidth <= self.overlap_flops / peak
+
+    def could_hide(self, bandwidth: float | None = None, peak: float | None = None) -> bool:
+        """Whether independent compute exists beside it (with `bandwidth` and `peak`: enough of it,
+        `bytes / bandwidth <= independent_flops / peak`), so an asynchronous schedule could hide it."""
+        flops = max(self.independent_flops, self.overlap_flops)
+        if flops == 0:
+            return False
+        return bandwidth is None or peak is None or self.collective.bytes / bandwidth <= flops / peak
+
+
+@dataclass(frozen=True)
+class ScheduleSummary:
+    """Communication bytes of one call (step), per device: `total`, `overlapped` (compute
+    scheduled beside them: `hidden`), `exposed` (`total - overlapped`), `overlappable`
+    (`could_hide`), `async_bytes`."""
+
+    total: int
+    overlapped: int
+    exposed: int
+    overlappable: int
+    async_bytes: int
+
+    @property
+    def overlappable_share(self) -> float:
+        """`overlappable / total` (0 without communication)."""
+        return self.overlappable / self.total if self.total else 0.0
+
+
+def _text(compiled: Any) -> str:
+    if isinstance(compiled, str):
+        return compiled
+    inner = getattr(compiled, "compiled", None)  # equinox's Compiled wraps jax's
+    text = (inner if inner is not None and hasattr(inner, "as_text") else compiled).as_text()
+    if not isinstance(text, str):
+        raise ValueError(f"schedule() needs a compiled program or its HLO text; got {type(compiled).__name__}.")
+    return text
+
+
+class _Flops:
+    """Matmul FLOPs of instructions and computations of one module (memoised)."""
+
+    def __init__(self, module: _Module):
+        self.module = module
+        self.tables = {c: {i.name: i for i in instrs} for c, instrs in module.comps.items()}
+
+    def of(self, comp: str, ins: _Instr) -> int:
+        if ins.opcode == "dot" and ins.arrays and ins.operands:
+            lhs = self.tables[comp].get(ins.operands[0])
+            if lhs is None or not lhs.arrays:
+                return 0
+            contracted = math.prod(lhs.arrays[0][1][d] for d in ins.contracting)
+            return 2 * math.prod(ins.arrays[0][1]) * contracted
+        total = 0
+        for role, callee in ins.called:
+            if callee not in self.module.comps or role == "condition":
+                continue
+            times = (ins.trip_count or 1) if ins.opcode == "while" else 1
+            total += times * self.computation(callee)
+        return total
+
+    @functools.cache  # noqa: B019 (one instance per report)
+    def computation(self, comp: str) -> int:
+        return sum(self.of(comp, i) for i in self.module.comps[comp])
+
+
+def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for n in edges.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def _place(module: _Module, flops: _Flops, row: Collective) -> ScheduledCollective:
+    instrs = module.comps[row.computation]
+    names = [i.name for i in instrs]
+    start = names.index(row.name)
+    done = start
+    if row.is_async:
+        done = next((k for k in range(start + 1, len(instrs))
+                     if instrs[k].opcode.endswith("-done") and row.name in instrs[k].operands), start)
+    between = sum(flops.of(row.computation, i) for i in instrs[start + 1: done])
+    operands = {i.name: list(i.operands) for i in instrs}
+    users: dict[str, list[str]] = {}
+    for i in instrs:
+        for o in i.operands:
+            users.setdefault(o, []).append(i.name)
+    related = _closure(names[start], operands) | _closure(names[done], users) | {names[start], names[done]}
+    independent = sum(flops.of(row.computation, i) for i in instrs if i.name not in related)
+    return ScheduledCollective(row, between, independent)
+
+
+def schedule(compiled: Any, mesh: Any = None) -> list[ScheduledCollective]:
+    """Each collective of a compiled program with the compute it overlaps and could overlap.
+
+    **Arguments:** `compiled` (`jax.jit(f).lower(...).compile()`, equinox's equivalent,
+    or scheduled HLO text) and optionally its `mesh` (to name each collective's axes).
+
+    **Returns:** one `ScheduledCollective` per row of `eqgpt.profile.collectives`
+    (an all-reduce whose parts split into `all-reduce` and `all-reduce+slice` rows
+    gives two), in program order.
+    """
+    module = _module_from_text(_text(compiled))
+    flops = _Flops(module)
+    return [_place(module, flops, row) for row in _rows(module, mesh)]
+
+
+def schedule_summary(rows: Sequence[ScheduledCollective], *, bandwidth: float | None = None,
+                     peak: float | None = None) -> ScheduleSummary:
+    """Totals of one call over `rows` (from `schedule`); `bandwidth` and `peak` as `hidden`."""
+    total = sum(r.collective.total_bytes for r in rows)
+    overlapped = sum(r.collective.total_bytes for r in rows if r.hidden(bandwidth, peak))
+    return ScheduleSummary(
+        total=total, overlapped=overlapped, exposed=total - overlapped,
+        overlappable=sum(r.collective.total_bytes for r in rows if r.could_hide(bandwidth, peak)),
+        async_bytes=sum(r.collective.total_bytes for r in rows if r.is_async))
+
+
+def schedule_table(compiled: Any, *, mesh: Any = None, bandwidth: float | None = None, peak: float | None = None,
+                   title: str = "communication per step (per device): exposed vs overlappable") -> str:
+    """A printable table of `schedule`: per kind and phase, bytes per step that are async,
+    overlapped by scheduled compute, exposed, and overlappable; a total row."""
+    from rich.table import Table
+
+    rows = schedule(compiled, mesh)
+    groups: dict[tuple[str, str], list[ScheduledCollective]] = {}
+    for r in rows:
+        groups.setdefault((r.collective.phase, r.collective.effective_kind), []).append(r)
+    table = Table(title=title)
+    for col in ("phase", "kind"):
+        table.add_column(col, no_wrap=True)
+    for col in ("ops", "bytes", "async", "overlapped", "exposed", "overlappable", "overlap GFLOP"):
+        table.add_column(col, justify="right", no_wrap=True)
+
+    def add(label: tuple[str, str], part: list[ScheduledCollective]) -> None:
+        s = schedule_summary(part, bandwidth=bandwidth, peak=peak)
+        gflop = sum(r.overlap_flops * r.collective.executions for r in part) / 1e9
+        table.add_row(*label, str(len(part)), *(_human(b) for b in (s.total, s.async_bytes, s.overlapped, s.exposed,
+                                                                   s.overlappable)), f"{gflop:.3f}")
+
+    for key in sorted(groups):
+        add(key, groups[key])
+    add(("all", ""), rows)
+    return table_text(table, width=160)
+
+
+__all__ = ["ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table"]
