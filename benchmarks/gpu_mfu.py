@@ -1,13 +1,15 @@
-"""MFU, step time and memory of a single-GPU training step: GPT-2 small, bf16 compute, cuDNN attention.
+"""MFU, step time and memory of a single-accelerator training step: GPT-2 small, bf16 compute, cuDNN attention on GPU.
 
 Builds the preset, runs `make_train_step` (AdamW, bf16 compute with fp32 parameters)
 on random tokens for `--warmup` + `--steps` steps and prints one table: median
 step time, tokens/s, model FLOP/s (`eqgpt.profile.flops`: 6 per weight per token
 plus causal attention), MFU against the device's bf16 dense peak (the GPU table of
-`eqgpt.profile.flops.peak_flops`), and the device's peak memory in use.
+`eqgpt.profile.flops.peak_flops`; a TPU's from its table too), and the device's peak
+memory in use.
 
-Run on a GPU machine: `python benchmarks/gpu_mfu.py [--batch 16] [--kernel cudnn]`.
-Without a GPU it says so and exits 0, unless `--cpu` asks for a (small) CPU run, as
+Run on a GPU machine: `python benchmarks/gpu_mfu.py [--batch 16] [--kernel cudnn]`; on a
+TPU the same (the default kernel there is `blockwise`: cuDNN is GPU-only).
+Without an accelerator it says so and exits 0, unless `--cpu` asks for a (small) CPU run, as
 the test of this script does: `--cpu --preset nano --kernel reference --precision fp32`.
 """
 
@@ -32,17 +34,19 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="gpt2-small")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--kernel", default="cudnn", help="attention kernel: cudnn, blockwise, reference")
+    p.add_argument("--kernel", default=None, help="attention kernel: cudnn (the GPU default), blockwise (the TPU "
+                   "default), reference")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="run even without a GPU (a check of this script)")
     args = p.parse_args(argv)
     device = jax.devices()[0]
-    if device.platform != "gpu" and not args.cpu:
-        print(f"no GPU here (JAX sees {device.platform}); run this on a GPU machine, or pass --cpu "
+    if device.platform not in ("gpu", "tpu") and not args.cpu:
+        print(f"no GPU or TPU here (JAX sees {device.platform}); run this on a GPU machine, or pass --cpu "
               "with a small --preset to check the script.")
         return 0
+    args.kernel = args.kernel or ("cudnn" if device.platform == "gpu" else "blockwise")
 
     overrides = {"attention_kernel": args.kernel} | ({"seq_len": args.seq} if args.seq else {})
     cfg = eqgpt.preset(args.preset, **overrides)

@@ -1,7 +1,8 @@
-"""Communication of a train step without and with `overlap`, for dp, fsdp, fsdp+tp and manual TP/SP.
+"""Communication of a train step without and with its optimizations, for dp, fsdp, fsdp+tp and manual TP/SP.
 
-For each strategy, compiles the library's train step twice (`Strategy(..., overlap=False)`
-and `True`) and prints: collectives per step (ops and executions) and their bytes per
+For each strategy, compiles the library's train step twice, off and on, where "on" is
+`overlap=True` on the automatic path, gradient buckets (`bucket_mb`) on the manual path,
+and collective matmul too under manual SP (`CASES`), and prints: collectives per step (ops and executions) and their bytes per
 device (`eqgpt.profile.collectives`); the share of those bytes with compute beside them
 to hide behind (`eqgpt.profile.schedule`: structurally, and with enough of it at a
 nominal link of `--bandwidth` bytes/s and `--peak` FLOP/s); and the measured step time
@@ -17,16 +18,18 @@ import os
 import statistics
 import time
 
-CASES = {  # name: (mesh, rules, manual)
-    "dp": ("data=8", "dp", False),
-    "fsdp": ("fsdp=8", "fsdp", False),
-    "fsdp+tp": ("fsdp=4,tensor=2", "fsdp+tp", False),
-    "manual dp+tp": ("data=2,tensor=4", "dp+tp", True),
-    "manual dp+sp": ("data=2,tensor=4", "dp+sp", True),
+OVERLAP = {"overlap": True}
+BUCKETS = {"bucket_mb": 1.0}
+CASES = {  # name: (mesh, rules, manual, the Strategy options "on" sets)
+    "dp": ("data=8", "dp", False, OVERLAP),
+    "fsdp": ("fsdp=8", "fsdp", False, OVERLAP),
+    "fsdp+tp": ("fsdp=4,tensor=2", "fsdp+tp", False, OVERLAP),
+    "manual dp+tp": ("data=2,tensor=4", "dp+tp", True, BUCKETS),
+    "manual dp+sp": ("data=2,tensor=4", "dp+sp", True, {**BUCKETS, "collective_matmul": True}),
 }
 
 
-def measure(name: str, overlap: bool, args) -> dict:
+def measure(name: str, on: bool, args) -> dict:
     """One compiled step of case `name`: collective ops, executions and bytes, overlappable
     shares, median step seconds."""
     import equinox as eqx
@@ -40,8 +43,8 @@ def measure(name: str, overlap: bool, args) -> dict:
     from eqgpt.profile import collectives, memory, schedule, schedule_summary
     from eqgpt.train import Strategy, TrainState, make_train_step
 
-    mesh, rules, manual = CASES[name]
-    strategy = Strategy(eqgpt.parallel.make_mesh(mesh), rules, manual=manual, overlap=overlap)
+    mesh, rules, manual, options = CASES[name]
+    strategy = Strategy(eqgpt.parallel.make_mesh(mesh), rules, manual=manual, **(options if on else {}))
     config = eqgpt.GPTConfig(vocab_size=256, seq_len=args.seq, num_layers=args.layers, num_heads=4,
                              embed_dim=args.embed, scan_layers=args.scan)
     model = strategy.init_model(lambda k: nn.GPT(config, key=k), jax.random.key(0))
@@ -89,13 +92,15 @@ def main(argv=None) -> int:
         raise SystemExit("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8 (or on 8 GPUs)")
     print(f"{jax.default_backend()}, {jax.device_count()} devices; GPT {args.layers} layers x {args.embed}, "
           f"seq {args.seq}, batch {args.batch}, {'scanned' if args.scan else 'unrolled'}; per device per step")
-    head = ("strategy", "overlap", "ops", "runs", "KiB", "overlappable", "at nominal", "async KiB", "temp KiB",
+    print("on: " + "; ".join(f"{name}: {', '.join(f'{k}={v}' for k, v in CASES[name][3].items())}"
+                             for name in args.cases))
+    head = ("strategy", "optimized", "ops", "runs", "KiB", "overlappable", "at nominal", "async KiB", "temp KiB",
             "step ms")
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for name in args.cases:
-        for overlap in (False, True):
-            m = measure(name, overlap, args)
-            print(f"| {name} | {'on' if overlap else 'off'} | {m['ops']} | {m['runs']} | {m['bytes'] / 1024:.1f} | "
+        for on in (False, True):
+            m = measure(name, on, args)
+            print(f"| {name} | {'on' if on else 'off'} | {m['ops']} | {m['runs']} | {m['bytes'] / 1024:.1f} | "
                   f"{m['share']:.0%} | {m['nominal']:.0%} | {m['async'] / 1024:.1f} | "
                   f"{m['temp'] / 1024:.0f} | {m['seconds'] * 1e3:.1f} |",
                   flush=True)

@@ -21,6 +21,8 @@ GPU_PEAK_FLOPS = {
     "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
     "L4": 121e12, "RTX 4090": 165e12, "V100": 125e12, "T4": 65e12,
 }
+# bf16 dense peak per chip, by JAX's `device_kind` (Google Cloud's TPU pages).
+TPU_PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v6 lite": 918e12, "TPU v5p": 459e12, "TPU v4": 275e12}
 
 
 def matmul_params(config: GPTConfig) -> int:
@@ -73,9 +75,10 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> 
 
 
 def peak_flops(device: jax.Device | None = None) -> tuple[float, str]:
-    """A peak FLOP/s for MFU and where it came from: the GPU table, else a measured matmul."""
+    """A peak FLOP/s for MFU and where it came from: the GPU or TPU table, else a measured matmul."""
     device = jax.devices()[0] if device is None else device
-    for name, flops in GPU_PEAK_FLOPS.items():
-        if device.platform == "gpu" and name.lower() in device.device_kind.lower():
+    table = {"gpu": GPU_PEAK_FLOPS, "tpu": TPU_PEAK_FLOPS}.get(device.platform, {})
+    for name, flops in table.items():
+        if name.lower() in device.device_kind.lower():
             return flops, f"table ({name} bf16 dense)"
     return measure_matmul_flops(), "measured jnp.dot 2048x2048 fp32"
