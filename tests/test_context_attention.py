@@ -281,7 +281,7 @@ def test_kernel_runs_per_device_where_context_is_manual_and_defers_on_one_device
 def test_kernel_rejects_bad_configuration():
     mesh = make_mesh(MESHES[4])
     with pytest.raises(ValueError, match="ring"):
-        ContextKernel(mesh, "ulysses")
+        ContextKernel(mesh, "tree")
     kernel = ContextKernel(mesh, "ring", block_q=BLOCK, block_k=BLOCK)
     q = jnp.zeros((1, 18, H, D))
     kv = jnp.zeros((1, 18, G, D))

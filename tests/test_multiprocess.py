@@ -335,6 +335,6 @@ def test_dead_rank_stops_the_job_and_resumes_on_fewer_devices(jobs, tmp_path):
     reference = losses(uninterrupted)
     # Before the kill (2 x 4, fsdp=8) and after the restore (1 x 4, fsdp=4): fp32 reduction-order noise.
     before = {int(s): float(v) for s, v in re.findall(r"\[rank 0\] LOSS (\d+) (\S+)", text)}
-    assert len(before) >= restored.step
+    assert len(before) >= restored.step - 1  # the last step before the kill may not have printed yet
     np.testing.assert_allclose([before[s] for s in sorted(before)], reference[:len(before)], rtol=2e-6)
     np.testing.assert_allclose(losses(resumed), reference[restored.step:], rtol=2e-5)
