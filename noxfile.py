@@ -20,8 +20,7 @@ def tests(session: nox.Session) -> None:
     """The whole suite on 8 simulated CPU devices (2 workers), oldest (3.11) and newest (3.12) JAX."""
     session.install("-e", ".[test]", *JAX[session.python])
     session.run("python", "-c", "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)")
-    session.run("python", "-m", "pytest", "-n", "2", *session.posargs,
-                env={"EQGPT_TEST_XLA_CACHE": f".pytest_cache/xla-py{session.python}"})
+    session.run("python", "-m", "pytest", "-n", "2", *session.posargs)
 
 
 @nox.session
