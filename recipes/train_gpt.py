@@ -447,15 +447,22 @@ def use_compile_cache(cfg: TrainConfig) -> Path | None:
     return path
 
 
-def main(cfg: TrainConfig) -> dict:
-    """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
-    t0 = time.perf_counter()
-    if cfg.overlap:  # XLA reads its flags when the backend starts: before anything below
+def start_jax(cfg: TrainConfig) -> Path | None:
+    """What must precede the first use of a JAX backend (XLA's flags, the CPU device count, the
+    compilation cache), then the multi-process start-up; **returns** the cache directory or `None`."""
+    if cfg.overlap:  # XLA reads its flags when the backend starts
         set_overlap_flags()
-    if cfg.cpu_devices:  # must precede the first use of a JAX backend
+    if cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     compile_cache = use_compile_cache(cfg)
     distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
+    return compile_cache
+
+
+def main(cfg: TrainConfig) -> dict:
+    """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
+    t0 = time.perf_counter()
+    compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
     model_cfg = cfg.model.build()
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
