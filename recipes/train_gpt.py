@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import sys
 import time
@@ -25,8 +24,9 @@ import tyro
 
 import eqgpt
 from eqgpt import distributed
+from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
 from eqgpt.data import bytes_per_token, eval_windows, load_corpus
-from eqgpt.data.corpus import default_cache_dir, is_token_file
+from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
@@ -424,27 +424,10 @@ def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strat
         log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
 
 
-COMPILE_CACHE_BYTES = 4 << 30
-
-
 def use_compile_cache(cfg: TrainConfig) -> Path | None:
-    """--compile-cache: JAX's persistent compilation cache for every program of this process; must run
-    before the first compile. **Returns** its directory, or `None` when off (or set by the user already).
-
-    Bounding its size turns on JAX's file lock around each read and write, so processes sharing the
-    directory never read an entry another is still writing (the race that crashed test workers on jax 0.10.2)."""
-    if not cfg.compile_cache or os.environ.get("EQGPT_NO_COMPILE_CACHE") or jax.config.jax_compilation_cache_dir:
-        return None
-    path = cfg.compile_cache_dir or default_cache_dir() / "xla"
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the small programs add up too
-    try:
-        import filelock  # noqa: F401  (JAX locks a bounded cache with it)
-
-        jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
-    except ImportError:
-        pass
-    return path
+    """--compile-cache, --compile-cache-dir: `eqgpt.compile_cache.enable_compile_cache`; before the first
+    compile. **Returns** its directory, or `None` when off (or set by the user already)."""
+    return enable_compile_cache(cfg.compile_cache_dir) if cfg.compile_cache else None
 
 
 def start_jax(cfg: TrainConfig) -> Path | None:
