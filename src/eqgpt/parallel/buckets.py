@@ -84,11 +84,8 @@ def bucketed_all_reduce(
     # A bucket joins arrays of the same reduction axes and the same varying-ness (inside
     # `shard_map`): a tensor-parallel shard and a replicated norm scale stay apart, so
     # each result keeps its type (replicated stays replicated).
-    groups: dict[tuple, list[int]] = {}
-    for i, ax in enumerate(axes):
-        if ax:
-            groups.setdefault((ax, varying_axes(leaves[i])), []).append(i)
-    for (ax, _), members in groups.items():
+    keys = [(ax, varying_axes(leaf)) if ax else () for leaf, ax in zip(leaves, axes, strict=True)]
+    for (ax, _), members in _groups(keys).items():
         if bucket_bytes is None:
             for i in members:
                 out[i] = all_reduce(leaves[i].astype(jnp.float32), ax, op=op).astype(leaves[i].dtype)
@@ -112,13 +109,19 @@ def all_reduce_count(sizes_by_axes: Sequence[tuple[AxisName, int]], bucket_bytes
     Without buckets, one per array that reduces over some axes. `axes` is the grouping
     key: under tensor parallelism pass `(axes, varying axes)` to count as the manual path groups.
     """
-    groups: dict[AxisName, list[int]] = {}
-    for ax, size in sizes_by_axes:
-        if ax:
-            groups.setdefault(ax, []).append(size)
+    groups = _groups([ax for ax, _ in sizes_by_axes]).values()
     if bucket_bytes is None:
-        return sum(len(s) for s in groups.values())
-    return sum(len(bucket_plan(s, bucket_bytes)) for s in groups.values())
+        return sum(len(members) for members in groups)
+    return sum(len(bucket_plan([sizes_by_axes[i][1] for i in members], bucket_bytes)) for members in groups)
+
+
+def _groups(keys: Sequence) -> dict:
+    """Indices of `keys` by key, in order; an empty key (nothing to reduce) joins no group."""
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        if key:
+            groups.setdefault(key, []).append(i)
+    return groups
 
 
 __all__ = ["bucket_bytes_of", "bucket_plan", "bucketed_all_reduce", "all_reduce_count", "MB"]
