@@ -20,6 +20,7 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import numpy as np
 import tyro
 
 import eqgpt
@@ -29,7 +30,10 @@ from eqgpt.data import bytes_per_token, eval_windows, load_corpus
 from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
+from eqgpt.data.batch import Batch
 from eqgpt.nn import GPT
+from eqgpt.nn.kernels import auto_kernel_name
+from eqgpt.nn.mask import make_mask
 from eqgpt.parallel.communication import bucket_report
 from eqgpt.parallel.overlap import set_overlap_flags
 from eqgpt.parallel.pipeline.part import describe_stages
@@ -49,6 +53,7 @@ from eqgpt.train import (
     save_model,
 )
 from eqgpt.train.checkpoint import Checkpointer
+from eqgpt.train.fit import check_fits, largest_batch
 from eqgpt.train.guards import Guard
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir
@@ -75,6 +80,8 @@ class DataConfig:
 
 
 UNROLL_MAX_LAYERS = 8  # deeper models scan their layers: an unrolled stack's compile time grows with depth
+# On a TPU the scan itself costs time: gpt2-small's step took 180.7 ms scanned, 155.1 ms unrolled (docs/profiling.md).
+ACCELERATOR_UNROLL_MAX_LAYERS = 16
 
 
 @dataclass
@@ -103,11 +110,16 @@ class ModelConfig:
     """Override: expert slots per sequence = ceil(capacity_factor * seq * top_k / experts); the rest drop."""
     dropless: bool | None = None
     """Override: compute every routed token (grouped matmul; no capacity, nothing drops)."""
+    attention_kernel: str | None = None
+    """Override: attention kernel: auto (default: splash on TPU, cudnn on GPU, reference or blockwise on CPU by length), reference, blockwise, splash, cudnn, or a registered name."""
+    remat: str | None = None
+    """Override: gradient checkpointing per layer: none, full, minimal (save every matmul output), save_dot_except_mlp, save_qkv_proj, save_out_proj, names:..., offload:... (eqgpt.nn.remat)."""
     vocab_size: int | None = None
     """Override: vocabulary size. Default: the tokenizer's for text; for a .bin/.npy token file, its NAME.meta.json {"vocab_size": N}, else the file's max id + 1 rounded up to a multiple of 64."""
 
     def build(self) -> eqgpt.GPTConfig:
-        names = ("seq_len", "num_layers", "num_heads", "embed_dim", "position", "vocab_size")
+        names = ("seq_len", "num_layers", "num_heads", "embed_dim", "position", "vocab_size", "attention_kernel",
+                 "remat")
         overrides = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         moe_names = ("num_experts", "top_k", "capacity_factor", "dropless")
         moe = {k: getattr(self, k) for k in moe_names if getattr(self, k) is not None}
@@ -119,7 +131,8 @@ class ModelConfig:
                 flags = ", ".join(f"--model.{k.replace('_', '-')} {v}" for k, v in moe.items())
                 raise ValueError(f"{e} (from {flags})") from None
         num_layers = overrides.get("num_layers", eqgpt.preset(self.preset).num_layers)
-        return eqgpt.preset(self.preset, scan_layers=self.scan_layers or num_layers > UNROLL_MAX_LAYERS, **overrides)
+        unroll = UNROLL_MAX_LAYERS if jax.default_backend() == "cpu" else ACCELERATOR_UNROLL_MAX_LAYERS
+        return eqgpt.preset(self.preset, scan_layers=self.scan_layers or num_layers > unroll, **overrides)
 
 
 @dataclass
@@ -144,6 +157,8 @@ class OptimConfig:
     """Also apply weight decay to embedding tables."""
     decay_norms_and_biases: bool = False
     """Also apply weight decay to norm scales and biases."""
+    mu_dtype: Literal["fp32", "bf16"] | None = None
+    """AdamW's first moment in this dtype (bf16 halves it; default: the parameters' dtype)."""
 
 
 @dataclass
@@ -217,8 +232,8 @@ class TrainConfig:
     # --- the run
     steps: int = 800
     """Optimizer steps."""
-    batch_size: int = 32
-    """Sequences per step (global)."""
+    batch_size: int | Literal["auto"] = 32
+    """Sequences per step (global); 'auto': the largest that fits the device's memory (from a few compiles)."""
     accum_steps: int = 1
     """Microbatches per step (gradient accumulation); must divide batch_size."""
     seed: int = 0
@@ -276,7 +291,8 @@ def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):
                                 min_lr_ratio=o.min_lr_ratio)
     return policy.optimizer(make_optimizer(
         schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
-        decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases)), schedule
+        decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases,
+        mu_dtype=o.mu_dtype)), schedule
 
 
 def vocab_size_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus) -> int:
@@ -442,6 +458,47 @@ def start_jax(cfg: TrainConfig) -> Path | None:
     return compile_cache
 
 
+def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_model):
+    """The freshly initialised `TrainState` in the strategy's layout; **returns** it, the optimizer, the schedule."""
+    optimizer, schedule = optimizer_of(cfg, policy)
+    key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
+    model = strategy.init_model(make_model, key_model)
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
+                       loss_scale=policy.loss_scale_state())
+    return state, optimizer, schedule
+
+
+def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, model_like, state, optimizer,
+              log) -> TrainConfig:
+    """--batch-size checked against the device's memory by compiling the step (`eqgpt.train.fit`), 'auto'
+    resolved to the largest batch that fits; **returns** `cfg` with that batch. Raises `DoesNotFit`
+    (a `ValueError` naming the GiB and the flags to change) before anything is written."""
+    def compile_at(rows: int):
+        step = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
+                               z_loss=cfg.z_loss, model_like=model_like)
+        windows = np.zeros((rows // jax.process_count(), model_cfg.seq_len + 1), np.int32)
+        return step.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+
+    batch = cfg.batch_size
+    if batch == "auto":
+        multiple = strategy.rows_divisor * cfg.accum_steps
+        batch = largest_batch(compile_at, multiple=multiple, start=max(multiple, 8 // multiple * multiple), log=log)
+        strategy.check(model_like, batch_size=batch, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+        log(f"--batch-size auto: {batch} sequences per step")
+    check_fits(lambda: compile_at(batch), what=f"the training step at --batch-size {batch}")
+    return dataclasses.replace(cfg, batch_size=batch)
+
+
+def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
+    """Which attention kernel the model runs, e.g. 'attention auto -> splash'."""
+    name = model_cfg.attention_kernel
+    if name != "auto":
+        return f"attention {name}"
+    mask = make_mask(model_cfg.mask, model_cfg.window)
+    chosen = auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
+    return f"attention auto -> {chosen} ({jax.default_backend()})"
+
+
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
     t0 = time.perf_counter()
@@ -455,10 +512,13 @@ def main(cfg: TrainConfig) -> dict:
     model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
-    strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+    if cfg.batch_size != "auto":
+        strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     if (buckets := bucket_report(strategy, model_like)) is not None:
         log(buckets)
     check_fault_flags(cfg)
+    state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
+    cfg = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # no run yet if it cannot fit
     out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
     log(f"run directory: {out}")
     if compile_cache is not None:
@@ -469,12 +529,6 @@ def main(cfg: TrainConfig) -> dict:
         log(f"{cfg.data.corpus} holds ids up to vocab {model_cfg.vocab_size} and --data.tokenizer names no tokenizer "
             "for them: no samples or bits per byte (pass the tokenizer.json or GPT-2 vocab.json that made the file)")
     write_run_config(cfg, model_cfg, out)
-
-    optimizer, schedule = optimizer_of(cfg, policy)
-    key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
-    model = strategy.init_model(make_model, key_model)
-    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
-                       loss_scale=policy.loss_scale_state())
     checkpointer = make_checkpointer(cfg, model_cfg, out)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch), docs=corpus.train_docs)
@@ -486,7 +540,7 @@ def main(cfg: TrainConfig) -> dict:
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     n_params = sum(x.size for x in jax.tree.leaves(model_like))
     log(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
-        f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len} | corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
+        f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len}, {kernel_choice(model_cfg, policy)} | corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
         f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
     val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows) if cfg.eval_windows else None

@@ -47,7 +47,7 @@ def test_matmul_floor_finds_every_matmul_of_the_step():
 
 
 def test_gpu_mfu_script_runs_on_cpu_when_asked(capsys):
-    assert load("gpu_mfu").main(["--cpu", "--preset", "nano", "--kernel", "reference", "--precision", "fp32",
+    assert load("accelerator_mfu").main(["--cpu", "--preset", "nano", "--kernel", "reference", "--precision", "fp32",
                                  "--batch", "2", "--steps", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
     assert "MFU" in out and "step time" in out and "final loss" in out

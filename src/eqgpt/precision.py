@@ -36,6 +36,13 @@ _DTYPES = {"fp32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16,
            "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
 
 
+def dtype_of(name: str) -> jnp.dtype:
+    """The dtype of a precision name ("fp32", "bf16", "fp16" or their long forms)."""
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}.")
+    return jnp.dtype(_DTYPES[name])
+
+
 def _cast(tree: PyTree, dtype) -> PyTree:
     return jax.tree.map(
         lambda x: x.astype(dtype) if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating) else x,

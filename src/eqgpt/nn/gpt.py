@@ -207,6 +207,11 @@ class GPT(eqx.Module):
                                               segment_ids, doc_positions)
         return self.norm(x), stats
 
+    def head_matrix(self) -> Float[Array, "vocab embed"]:
+        """The output head as `[vocab, embed]`: the token table when tied, else the head's weight
+        transposed (`eqgpt.nn.lm_loss` fuses it with the loss)."""
+        return self.tok_embed.weight if self.head is None else self.head.weight.T
+
     def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """The output head (tied to the token table unless the model has its own)."""
         out = self.tok_embed.attend(h) if self.head is None else self.head(h)

@@ -8,9 +8,11 @@ logits: only one `[batch, chunk, vocab]` slab at a time.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 
@@ -72,6 +74,87 @@ def _chunked_loss_sums(logits_fn, hidden, targets, loss_mask, chunk_size, cross_
     return jnp.sum(nll), jnp.sum(z), jnp.sum(mask)
 
 
+def head_loss_sums(
+    hidden: Float[Array, "batch seq embed"],
+    weight: Float[Array, "vocab embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    loss_mask: Float[Array, "batch seq"] | None = None,
+    chunk_size: int = 128,
+    z_loss: float = 0.0,
+) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]]:
+    """The output head `hidden @ weight.T` and its cross-entropy, gradients made in the same pass.
+
+    One chunk of positions at a time (as `chunked_loss_sums`), each chunk's logits are
+    computed once, in fp32 from the inputs' dtype (`preferred_element_type`), and turned
+    into the loss *and* into the gradients of `hidden` and `weight`; the backward pass
+    only scales them. So the logits are never recomputed and never held whole.
+
+    **Returns:** `(total, (nll_sum, z_sum, count))` with `total = nll_sum + z_loss * z_sum`
+    (masked sums over positions), differentiable in `hidden` and `weight`; the second
+    part carries no gradient.
+    """
+    with jax.named_scope("loss"):
+        b, t, _ = hidden.shape
+        mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
+        total, (nll, z) = _fused_head_loss(hidden, weight, targets, mask, min(chunk_size, t), float(z_loss))
+        stats = jax.lax.stop_gradient((nll, z, jnp.sum(mask)))
+        return total, stats
+
+
+def _head_chunks(hidden, targets, mask, c):
+    b, t, _ = hidden.shape
+    pad = (-t) % c
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))
+    n = (t + pad) // c
+    split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)  # noqa: E731
+    return split(hidden), split(targets), split(mask), pad
+
+
+def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
+    hs, ys, ms, pad = _head_chunks(hidden, targets, mask, c)
+    f32 = jnp.float32
+
+    def chunk(d_weight, xs):
+        h, y, m = xs
+        logits = jnp.einsum("bcd,vd->bcv", h, weight, preferred_element_type=f32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        nll = lse - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        probs = jnp.exp(logits - lse[..., None])
+        # d(nll + z_weight * lse^2)/d logits = softmax - onehot + 2 z_weight lse softmax, per counted position
+        d_logits = probs * (1.0 + 2.0 * z_weight * lse)[..., None] * m[..., None]
+        d_logits = d_logits - jax.nn.one_hot(y, logits.shape[-1], dtype=f32) * m[..., None]
+        d_logits = d_logits.astype(h.dtype)
+        d_h = jnp.einsum("bcv,vd->bcd", d_logits, weight, preferred_element_type=f32).astype(h.dtype)
+        d_weight = d_weight + jnp.einsum("bcv,bcd->vd", d_logits, h, preferred_element_type=f32)
+        return d_weight, (jnp.sum(nll * m), jnp.sum(jnp.square(lse) * m), d_h)
+
+    d_weight, (nll, z, d_h) = jax.lax.scan(chunk, jnp.zeros(weight.shape, f32), (hs, ys, ms))
+    b, t = hidden.shape[:2]
+    d_h = jnp.moveaxis(d_h, 0, 1).reshape(b, t + pad, -1)[:, :t]
+    nll, z = jnp.sum(nll), jnp.sum(z)
+    return (nll + z_weight * z, (nll, z)), (d_h, d_weight.astype(weight.dtype), targets, mask)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_head_loss(hidden, weight, targets, mask, c, z_weight):
+    return _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight)[0]
+
+
+def _fused_head_loss_bwd(c, z_weight, res, cotangents):
+    d_h, d_weight, targets, mask = res
+    g = cotangents[0]  # the statistics carry no gradient (head_loss_sums stops it)
+    scale = lambda x: (x.astype(jnp.float32) * g).astype(x.dtype)  # noqa: E731
+    int_zero = np.zeros(targets.shape, jax.dtypes.float0)
+    return scale(d_h), scale(d_weight), int_zero, jnp.zeros_like(mask)
+
+
+_fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)
+
+
 def chunked_cross_entropy(
     logits_fn: Callable[[Array], Array],
     hidden: Float[Array, "batch seq embed"],
@@ -125,9 +208,16 @@ def lm_loss(
         hidden, stats = model.features(tokens, segment_ids=segment_ids, **extra), None
     else:
         hidden, stats = model.features_and_stats(tokens, segment_ids=segment_ids, **extra)
-    loss, aux = chunked_cross_entropy(
-        model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size, z_loss=z_loss
-    )
+    head = getattr(model, "head_matrix", None)
+    if head is not None:  # the fused head: logits once, gradients in the same pass
+        total, (nll, z, count) = head_loss_sums(hidden, head(), targets, loss_mask=loss_mask,
+                                                chunk_size=chunk_size, z_loss=z_loss)
+        count = jnp.maximum(count, 1.0)
+        loss, aux = total / count, {"nll": nll / count, "z_loss": z / count}
+    else:
+        loss, aux = chunked_cross_entropy(
+            model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size, z_loss=z_loss
+        )
     if stats is None:
         return loss, aux
     from eqgpt.nn.moe import moe_loss

@@ -7,6 +7,13 @@
 - `"offload:a,b"`: move the tensors tagged `a`, `b` to host memory instead of
   keeping them on the device (needs a backend with pinned host memory).
 
+Named by what they save, as MaxText names its policies (`POLICIES`):
+
+- `"minimal"`: every matmul output (`"dots"`): the least recomputation;
+- `"save_dot_except_mlp"`: the attention projections (q, k, v and out);
+- `"save_qkv_proj"`: the q, k, v projections;
+- `"save_out_proj"`: the attention output projection.
+
 Tag names: query_proj, key_proj, value_proj, attn_out, mlp_in, mlp_out.
 """
 
@@ -17,6 +24,15 @@ from collections.abc import Callable
 import jax
 
 CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_in", "mlp_out")
+
+
+POLICIES = {
+    "minimal": "dots",
+    "save_dot_except_mlp": "names:query_proj,key_proj,value_proj,attn_out",
+    "save_qkv_proj": "names:query_proj,key_proj,value_proj",
+    "save_out_proj": "names:attn_out",
+}
+REMAT_CHOICES = ("none", "full", *POLICIES, "dots", "names:...", "offload:...")
 
 
 def _names(spec: str) -> list[str]:
@@ -30,6 +46,7 @@ def _names(spec: str) -> list[str]:
 def remat_policy(remat: str) -> Callable | None:
     """The `jax.checkpoint` policy for `remat`, or `None` for `"full"`."""
     cp = jax.checkpoint_policies
+    remat = POLICIES.get(remat, remat)
     if remat == "full":
         return None
     if remat == "dots":
@@ -43,9 +60,7 @@ def remat_policy(remat: str) -> Callable | None:
             offload_src="device",
             offload_dst="pinned_host",
         )
-    raise ValueError(
-        f'Unknown remat {remat!r}; choose "none", "full", "dots", "names:..." or "offload:...".'
-    )
+    raise ValueError(f"Unknown remat {remat!r}; choose one of {', '.join(REMAT_CHOICES)}.")
 
 
 def apply_remat(fn: Callable, remat: str) -> Callable:

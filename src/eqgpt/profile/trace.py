@@ -193,6 +193,10 @@ def _xplane(path: str | Path) -> Path:
     return trace_files(path)["xplane"] if path.is_dir() else path
 
 
+def _tpu_ordinal(plane_name: str) -> int:
+    return int(plane_name.rsplit(":", 1)[-1]) if plane_name.rsplit(":", 1)[-1].isdigit() else 0
+
+
 def load_events(path: str | Path, step_name: str = STEP_NAME) -> tuple[list[OpEvent], list[StepEvent]]:
     """XLA op events (with their device) and step annotations of a trace.
 
@@ -209,8 +213,14 @@ def load_events(path: str | Path, step_name: str = STEP_NAME) -> tuple[list[OpEv
                     if "step_num" in stats:
                         steps.append(StepEvent(int(stats["step_num"]), e.start_ns, e.end_ns))
                     continue
+                if line.name == "XLA Ops" and plane.name.startswith("/device:TPU"):
+                    # A TPU names each op by its HLO text (`%fusion.3 = ...`); async ops repeat on their own line.
+                    name = re.match(r"%?([\w.\-]+)", e.name)
+                    ops.append(OpEvent(name.group(1) if name else e.name, "", _tpu_ordinal(plane.name),
+                                       e.start_ns, e.end_ns))
+                    continue
                 stats = dict(e.stats)
-                if "hlo_op" in stats:
+                if "hlo_op" in stats and not plane.name.startswith("/device:TPU"):
                     ops.append(OpEvent(str(stats["hlo_op"]), str(stats.get("hlo_module", "")),
                                        int(stats.get("device_ordinal", 0)), e.start_ns, e.end_ns))
     return ops, sorted(steps, key=lambda s: s.start_ns)
@@ -392,6 +402,79 @@ def op_table(path: str | Path, *, hlo_text=None, scopes: tuple[str, ...] | None 
 
 
 
+# Categories of one step's device time (`category_of`): named scopes first, then the op kind.
+CATEGORIES = ("attention kernel", "other matmuls", "LM head and loss", "optimizer update", "everything else")
+_SCOPE_CATEGORY = {"softmax_attention": "attention kernel", "loss": "LM head and loss",
+                   "optimizer": "optimizer update"}
+
+
+def fused_op_names(hlo_text: str) -> dict[str, list[str]]:
+    """HLO instruction name -> the JAX names of what it computes: its own `op_name`, and for a
+    fusion (whose metadata may be empty, as on TPU) those of the instructions it calls."""
+    own: dict[str, list[str]] = defaultdict(list)
+    calls: dict[str, list[str]] = {}
+    computation = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and "=" not in line.split("{")[0]:
+            computation = head.group(1)
+            continue
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line)
+        if not m:
+            continue
+        name = m.group(1)
+        label = re.search(r'op_name="([^"]*)"', line)
+        kind = re.search(r" (dot|convolution|custom-call)\(", line)
+        text = (label.group(1) if label else "") + ("/dot_general" if kind and kind.group(1) != "custom-call" else "")
+        if text and computation is not None:
+            own[computation].append(text)
+        called = re.findall(r"calls=%?([\w.\-]+)", line)
+        calls[name] = ([text] if text else []) + [c for c in called]
+    return {name: [t for item in items for t in (own.get(item, []) or [item])] if items else [""]
+            for name, items in calls.items()}
+
+
+def category_of(op_name: str) -> str:
+    """The `CATEGORIES` entry of an op by its JAX name: the scopes `softmax_attention` (the kernel
+    inside `eqgpt.nn.Attention`), `loss` and `optimizer` first, then any other matmul."""
+    scope = scope_of(op_name, tuple(_SCOPE_CATEGORY))
+    if scope in _SCOPE_CATEGORY:
+        return _SCOPE_CATEGORY[scope]
+    last = op_name.rsplit("/", 1)[-1]
+    return "other matmuls" if re.match(r"(dot_general|dot|einsum|matmul|conv)", last) else "everything else"
+
+
+def category_table(path: str | Path, *, hlo_text, module: str | None = None,
+                   title: str = "one step's device time by category") -> str:
+    """Device time per step by `CATEGORIES` (leaf ops only, divided by the step annotations).
+
+    **Arguments:** `path` (log directory or `*.xplane.pb`); `hlo_text`: the traced
+    program (its text or compiled object), whose `op_name`s give each op's JAX name;
+    `module`: count only this XLA program's ops.
+    """
+    from rich.table import Table
+
+    from eqgpt.profile.text import table_text
+
+    ops, steps = load_events(path)
+    n = max(len(steps), 1)
+    names = fused_op_names(_hlo_text(hlo_text))
+    total: dict[str, float] = {c: 0.0 for c in CATEGORIES}
+    for o in ops:
+        if re.match(r"(while|call|conditional)(\.\d+)?$", o.name) or (module is not None and o.module != module):
+            continue
+        kinds = [category_of(name) for name in names.get(o.name, [""])]
+        total[min(kinds, key=CATEGORIES.index)] += o.end_ns - o.start_ns
+    grand = sum(total.values()) or 1.0
+    table = Table(title=f"{title} (mean of {n} step{'s' * (n > 1)})")
+    for col in ("category", "ms / step", "share"):
+        table.add_column(col, justify="left" if col == "category" else "right")
+    for key, ns in total.items():
+        table.add_row(key, f"{ns / n / 1e6:.2f}", f"{ns / grand:.1%}")
+    table.add_row("all device ops", f"{grand / n / 1e6:.2f}", "100.0%")
+    return table_text(table, width=100)
+
+
 def plot_timeline(path: str | Path, out: str | Path, *, step: int | None = None, title: str = "") -> Path | None:
     """Draw one traced step as a per-device timeline (PNG): compute and each collective kind in colour.
 
@@ -441,7 +524,8 @@ def plot_timeline(path: str | Path, out: str | Path, *, step: int | None = None,
 
 
 __all__ = [
-    "STEP_NAME", "OpEvent", "ProfileWindow", "StepBreakdown", "StepEvent", "breakdown_table", "collective_kind",
+    "CATEGORIES", "STEP_NAME", "OpEvent", "ProfileWindow", "StepBreakdown", "StepEvent", "breakdown_table",
+    "category_of", "category_table", "collective_kind",
     "load_events", "op_names", "op_table", "parse_steps", "plot_timeline", "profiler_options", "save_memory_profile", "scope_of",
     "step_annotation", "step_breakdown", "trace", "trace_files",
 ]

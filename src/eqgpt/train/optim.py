@@ -19,6 +19,7 @@ from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.norm import LayerNorm, RMSNorm
 from eqgpt.parallel.zero import global_norm
+from eqgpt.precision import dtype_of
 
 
 def decay_mask(params: PyTree, *, embeddings: bool = False, norms_and_biases: bool = False) -> PyTree:
@@ -94,14 +95,19 @@ def make_optimizer(
     clip_norm: float | None = 1.0,
     decay_embeddings: bool = False,
     decay_norms_and_biases: bool = False,
+    mu_dtype: str | None = None,
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with the decay mask of `decay_mask`.
 
     **Arguments:** a learning-rate `schedule` (or constant), AdamW's `weight_decay`,
-    `b1`, `b2`, `eps`; `clip_norm` (`None` disables clipping); which arrays decay.
+    `b1`, `b2`, `eps`; `clip_norm` (`None` disables clipping); which arrays decay;
+    `mu_dtype` ("bf16", "fp32" or `None`: the parameters' dtype), the dtype AdamW
+    keeps its first moment in (bf16 halves it; the second moment stays in the
+    parameters' dtype, as `optax.adamw` keeps it).
 
     **Returns:** an `optax.GradientTransformation` for `eqx.filter(model, eqx.is_array)`.
     """
     mask = lambda p: decay_mask(p, embeddings=decay_embeddings, norms_and_biases=decay_norms_and_biases)  # noqa: E731
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask,
+                        mu_dtype=None if mu_dtype is None else dtype_of(mu_dtype))
     return adamw if clip_norm is None else optax.chain(clip_by_global_norm(clip_norm), adamw)

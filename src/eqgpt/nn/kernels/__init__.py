@@ -12,6 +12,11 @@ Softmax statistics are fp32 whatever the input dtype.
 `Attention(kernel=...)` takes a registered name or any such callable (a function,
 or an `eqx.Module` with no arrays, e.g. `eqgpt.parallel.context.ContextKernel`).
 `register_kernel("mine", fn)` makes a name for it, usable from `GPTConfig`.
+
+Built in: `reference` (dense, the oracle), `blockwise` (flash-style in plain JAX),
+`splash` (JAX's Pallas TPU kernel; interpret mode elsewhere), `cudnn` (GPU), and
+`auto`, which picks per call (`auto_kernel_name`): `splash` on TPU, `cudnn` on GPU,
+and on CPU `reference` up to `CPU_BLOCKWISE_FROM` tokens, `blockwise` from there.
 """
 
 from __future__ import annotations
@@ -19,10 +24,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+
 Kernel = Callable[..., object]
 
 # The built-in kernels: name -> module defining `<name>_attention`, imported on first use.
-_BUILTIN = ("reference", "blockwise", "cudnn")
+_BUILTIN = ("auto", "reference", "blockwise", "splash", "cudnn")
+# On CPU, `auto` runs `blockwise` from this many keys on: measured forward + backward
+# (`benchmarks/attention_speed.py --cpu`, docs/profiling.md).
+CPU_BLOCKWISE_FROM = 2048
 _REGISTERED: dict[str, Kernel] = {}
 
 
@@ -44,7 +55,7 @@ def kernel_names() -> tuple[str, ...]:
 
 
 def get_kernel(kernel: str | Kernel) -> Kernel:
-    """The kernel callable for a name ("reference", "blockwise", "cudnn" or registered), or `kernel` itself."""
+    """The kernel callable for a built-in or registered name, or `kernel` itself."""
     if callable(kernel):
         return kernel
     if kernel in _REGISTERED:
@@ -54,8 +65,28 @@ def get_kernel(kernel: str | Kernel) -> Kernel:
             f"Unknown attention kernel {kernel!r}; choose one of {list(kernel_names())}, pass a callable, "
             "or register one with eqgpt.nn.kernels.register_kernel."
         )
+    if kernel == "auto":
+        return auto_attention
     module = importlib.import_module(f"eqgpt.nn.kernels.{kernel}")
     return getattr(module, f"{kernel}_attention")
+
+
+def auto_kernel_name(mask, q_len: int, k_len: int, dtype, platform: str | None = None) -> str:
+    """The built-in kernel `auto` runs for these shapes on `platform` (default: JAX's backend)."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "tpu":
+        from eqgpt.nn.kernels.splash import supports
+
+        return "splash" if supports(mask, q_len) and supports(mask, k_len) else "blockwise"
+    if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "blockwise" if k_len >= CPU_BLOCKWISE_FROM else "reference"
+
+
+def auto_attention(q, k, v, *, mask, q_pos, k_pos, q_seg=None, k_seg=None, scale=None):
+    """The kernel signature; runs the built-in kernel `auto_kernel_name` picks for these shapes."""
+    name = auto_kernel_name(mask, q.shape[1], k.shape[1], q.dtype)
+    return get_kernel(name)(q, k, v, mask=mask, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, scale=scale)
 
 
 def kernel_name(kernel: str | Kernel) -> str:
@@ -65,4 +96,5 @@ def kernel_name(kernel: str | Kernel) -> str:
     return getattr(kernel, "__name__", type(kernel).__name__)
 
 
-__all__ = ["Kernel", "get_kernel", "register_kernel", "kernel_names", "kernel_name"]
+__all__ = ["Kernel", "get_kernel", "register_kernel", "kernel_names", "kernel_name", "auto_kernel_name",
+           "CPU_BLOCKWISE_FROM"]

@@ -1,0 +1,165 @@
+"""Splash attention: JAX's Pallas flash-attention kernel for TPU, behind the kernel signature.
+
+`jax.experimental.pallas.ops.tpu.splash_attention` computes exact attention block
+by block in VMEM, skipping blocks its mask rules out, with GQA/MQA served by
+indexing (key/value heads are never repeated in memory). Here it gets:
+
+- our masks: `CausalMask`, `SlidingWindowMask` (`i - window < j <= i`), `FullMask`,
+  and segment ids (document masking) with any of them;
+- block sizes per (sequence, head_dim, dtype) from `BLOCK_TABLE`, measured on a
+  TPU v5e (`benchmarks/attention_speed.py`); JAX's default 128 is slower than XLA;
+- a `shard_map` over every mesh axis the partitioner still owns, since GSPMD cannot
+  split a Pallas call: rows over the batch axes, heads over `tensor`;
+- interpret mode off TPU, so CPU tests run the same kernel.
+
+The mask works on sequence indices: `q_pos` and `k_pos` must be `0..len-1` (self-
+attention over one whole sequence, as training runs it). Context parallelism hands
+kernels that do not read positions the sequence in natural order
+(`eqgpt.parallel.context.ulysses`), and decoding uses the `reference` kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.sharding import PartitionSpec as P
+from jax.sharding import get_abstract_mesh
+from jaxtyping import Array, Float, Int
+
+from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask
+
+LANES = 128  # splash tiles are multiples of the TPU's 128 lanes
+# (seq_len, head_dim, dtype) -> (block_q, block_kv); the largest entry with seq_len <= the
+# sequence applies. Measured on one TPU v5e (docs/profiling.md, benchmarks/attention_speed.py).
+# Forward + backward, causal, 16k tokens, 12 heads (ms): 256/512/1024-square blocks at T=1024: 7.86 / 5.17 /
+# 4.89; T=2048: 12.51 / 6.92 / 6.64; T=4096: 21.97 / 10.85 / 9.68; T=8192: 40.57 / 18.57 / 15.47.
+BLOCK_TABLE: dict[tuple[int, int, str], tuple[int, int]] = {
+    (1024, 64, "bfloat16"): (1024, 1024),
+}
+DEFAULT_BLOCK = 1024
+# Mesh axes whose shards of the batch rows the kernel runs on, in this order; heads split over TENSOR.
+TENSOR = "tensor"
+
+
+def block_sizes(seq_len: int, head_dim: int, dtype) -> tuple[int, int]:
+    """`(block_q, block_kv)` for this shape: the measured table, else 1024, at most the sequence."""
+    name = jnp.dtype(dtype).name
+    rows = [(s, b) for (s, d, dt), b in BLOCK_TABLE.items() if d == head_dim and dt == name and s <= seq_len]
+    bq, bkv = max(rows)[1] if rows else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    fit = lambda b: math.gcd(min(b, seq_len), seq_len)  # noqa: E731  (a divisor of the sequence)
+    return fit(bq), fit(bkv)
+
+
+def supports(mask: Mask, seq_len: int) -> bool:
+    """Whether the kernel runs this mask at this length (a multiple of 128)."""
+    try:
+        _splash_mask(mask, seq_len)
+    except ValueError:
+        return False
+    return seq_len % LANES == 0
+
+
+def _splash_mask(mask: Mask, n: int):
+    if isinstance(mask, DocumentMask):
+        mask = mask.inner
+    if isinstance(mask, SlidingWindowMask):  # splash's left window counts keys before i: window - 1
+        return ("local", mask.window)
+    if isinstance(mask, CausalMask):
+        return ("causal", None)
+    if type(mask) in (FullMask, Mask):
+        return ("full", None)
+    raise ValueError(f'attention kernel "splash" has no form of {type(mask).__name__}; '
+                     'use kernel="blockwise" or "reference" for it.')
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(kind: str, window: int | None, heads: int, q_len: int, k_len: int, bq: int, bkv: int,
+            interpret: bool) -> sk.SplashAttentionKernel:
+    shape = (q_len, k_len)
+    if kind == "causal":
+        one = sm.CausalMask(shape)
+    elif kind == "local":
+        one = sm.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    else:
+        one = sm.FullMask(shape)
+    blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    with jax.ensure_compile_time_eval():  # its mask tables are constants, cached across traces
+        return sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=blocks, head_shards=1,
+                                  q_seq_shards=1, interpret=interpret)
+
+
+def _local_attention(q, k, v, q_seg, k_seg, *, kind, window, scale):
+    """Splash attention on one device's arrays: `[b, t, h, d]` in, out."""
+    b, t, h, d = q.shape
+    s = k.shape[1]
+    bq, bkv = block_sizes(min(t, s), d, q.dtype)
+    kernel = _kernel(kind, window, h, t, s, bq, bkv, jax.default_backend() != "tpu")
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    q = heads_first(q * jnp.asarray(scale, q.dtype))  # splash takes no scale: pre-scale q (exact for d = 4^n)
+    k, v = heads_first(k), heads_first(v)
+    if q_seg is None:
+        out = jax.vmap(kernel)(q, k, v)
+    else:
+        ids = lambda qs, ks: sk.SegmentIds(qs.astype(jnp.int32), ks.astype(jnp.int32))  # noqa: E731
+        out = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, ids(qs, ks)))(q, k, v, q_seg, k_seg)
+    return heads_first(out)
+
+
+def _mesh_split(batch: int, heads: int, kv_heads: int):
+    """The automatic mesh axes to split over (batch axes, heads axis), or `None` outside a mesh."""
+    mesh = get_abstract_mesh()
+    auto = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in mesh.manual_axes]
+    if not auto:
+        return None
+    head_axis = TENSOR if TENSOR in auto and heads % mesh.shape[TENSOR] == 0 \
+        and kv_heads % mesh.shape[TENSOR] == 0 else None
+    rows, split = batch, []
+    for a in auto:
+        if a != head_axis and rows % mesh.shape[a] == 0:
+            split.append(a)
+            rows //= mesh.shape[a]
+    return mesh, tuple(split) or None, head_axis, frozenset(auto)
+
+
+def splash_attention(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s g d"],
+    v: Float[Array, "b s g d"],
+    *,
+    mask: Mask,
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " s"],
+    q_seg: Int[Array, "b t"] | None = None,
+    k_seg: Int[Array, "b s"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "b t h d"]:
+    """Flash attention with JAX's Pallas splash kernel (TPU; interpret mode elsewhere).
+
+    Positions must be `0..len-1` (see the module docstring); lengths multiples of 128.
+    Raises `ValueError` for a mask it has no form of, or such a length.
+    """
+    del q_pos, k_pos  # sequence indices are the positions (module docstring)
+    b, t, h, d = q.shape
+    s, g = k.shape[1], k.shape[2]
+    kind, window = _splash_mask(mask, s)
+    if t % LANES or s % LANES:
+        raise ValueError(f'attention kernel "splash" needs sequence lengths that are multiples of {LANES}, got '
+                         f'{t} queries and {s} keys; use kernel="blockwise" or pad the sequence.')
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError("Pass both q_seg and k_seg, or neither.")
+    scale = d**-0.5 if scale is None else scale
+    local = functools.partial(_local_attention, kind=kind, window=window, scale=scale)
+    split = _mesh_split(b, h, g)
+    if split is None:
+        return local(q, k, v, q_seg, k_seg)
+    mesh, rows, heads, axes = split
+    x, seg = P(rows, None, heads, None), P(rows, None)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(x, x, x, seg, seg), out_specs=x, axis_names=set(axes),
+                           check_vma=False)
+    return mapped(q, k, v, q_seg, k_seg)

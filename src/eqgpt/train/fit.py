@@ -1,0 +1,128 @@
+"""Does a compiled step fit the device? Checked before the first step, and the largest batch that does.
+
+`check_fits(compile_step)` compiles the step and reads XLA's memory analysis of it
+(arguments plus temporaries per device, `eqgpt.profile.memory`). If that exceeds
+the device's memory, or the compiler itself runs out, it raises `DoesNotFit`, a
+`ValueError` naming the GiB needed and available and the flags that would make it
+fit, so a recipe stops with one clear line before anything is trained or written.
+
+`largest_batch` finds the largest batch that fits from a few compiles: two sizes
+give the memory's slope per row, then the prediction is checked (and halved until
+it fits).
+
+The device's memory is `memory_stats()["bytes_limit"]`; a backend without statistics
+(the CPU) has no limit, unless `EQGPT_DEVICE_MEMORY_GIB` names one (to rehearse a
+smaller device, as the tests do).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from eqgpt.profile.memory import memory
+
+GIB = 2**30
+FIXES = ("a smaller --batch-size (or --batch-size auto)", "--model.remat full (or save_qkv_proj, minimal)",
+         "--accum-steps 2 or more", "--model.attention-kernel splash or blockwise (never the [T, T] reference)",
+         "--optim.mu-dtype bf16 and --master-weights (bf16 parameters)")
+
+
+class DoesNotFit(ValueError):
+    """The step needs more device memory than there is (a `ValueError`: a configuration to change)."""
+
+    def __init__(self, needed: int | None, available: int, what: str):
+        self.needed, self.available = needed, available
+        need = "more than" if needed is None else f"{needed / GIB:.2f} GiB of"
+        super().__init__(f"{what} needs {need} device memory, and the device has {available / GIB:.2f} GiB. "
+                         f"To fit, try: {'; '.join(FIXES)}.")
+
+
+def device_memory(device: jax.Device | None = None) -> int | None:
+    """Bytes of memory of `device` (default: the first), or `None` where the backend does not say."""
+    if os.environ.get("EQGPT_DEVICE_MEMORY_GIB"):
+        return int(float(os.environ["EQGPT_DEVICE_MEMORY_GIB"]) * GIB)
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def step_bytes(compiled: Any) -> int:
+    """Device bytes a compiled step holds at once: its arguments (less host-resident ones) plus temporaries."""
+    report = memory(compiled)
+    return report.device_argument_bytes + report.temp_bytes
+
+
+def _out_of_memory(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text.lower()
+
+
+def check_fits(compile_step: Callable[[], Any], *, what: str = "the training step",
+               limit: int | None = None) -> Any:
+    """Compile with `compile_step()` and **return** the compiled step if it fits the device's memory.
+
+    Raises `DoesNotFit` if its arguments plus temporaries exceed `limit` (default
+    `device_memory()`) or if the compiler runs out of memory. Where the limit is unknown
+    (`None`), nothing is compiled and `None` is returned.
+    """
+    limit = device_memory() if limit is None else limit
+    if limit is None:  # nothing to check against (a CPU): compile nothing here
+        return None
+    try:
+        compiled = compile_step()
+    except Exception as e:  # noqa: BLE001  (XLA's own out-of-memory error, at compile or allocation)
+        if _out_of_memory(e):
+            used = re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])", str(e))
+            unit = lambda n, u: int(float(n) * 2 ** (10 * "KMGT".index(u) + 10))  # noqa: E731
+            needed = unit(*used.group(1, 2)) if used else None
+            available = unit(*used.group(3, 4)) if used else (limit or 0)
+            raise DoesNotFit(needed, available, what) from None
+        raise
+    if limit is not None and (needed := step_bytes(compiled)) > limit:
+        raise DoesNotFit(needed, limit, what)
+    return compiled
+
+
+def largest_batch(compile_at: Callable[[int], Any], *, multiple: int, start: int, limit: int | None = None,
+                  log: Callable[[str], None] = lambda msg: None) -> int:
+    """The largest batch (a multiple of `multiple`) whose step fits, from `compile_at(batch)`.
+
+    Compiles at `start` and `2 * start` rows to read the memory per row, predicts the
+    largest batch that fits, and checks it (halving until it fits). Raises `DoesNotFit`
+    if not even `multiple` rows fit. Without a known `limit` (see `device_memory`), `start`.
+    """
+    limit = device_memory() if limit is None else limit
+    if limit is None:
+        return start
+
+    def bytes_at(batch: int) -> int | None:
+        try:
+            return step_bytes(check_fits(lambda: compile_at(batch), limit=2**62))
+        except DoesNotFit:
+            return None
+
+    small = bytes_at(start)
+    if small is None or small > limit:
+        if start <= multiple:
+            raise DoesNotFit(small, limit, f"the training step at {start} rows")
+        return largest_batch(compile_at, multiple=multiple, start=max(multiple, start // 2 // multiple * multiple),
+                             limit=limit, log=log)
+    large = bytes_at(2 * start)
+    per_row = max(((large or 2 * small) - small) / start, 1.0)
+    batch = max(start, int((limit * 0.95 - small) / per_row + start) // multiple * multiple)
+    while batch > start:
+        needed = bytes_at(batch)
+        log(f"--batch-size auto: {batch} rows need "
+            + ("more than the device has" if needed is None else f"{needed / GIB:.2f} GiB of {limit / GIB:.2f}"))
+        if needed is not None and needed <= limit:
+            return batch
+        batch = max(start, batch // 2 // multiple * multiple)
+    return start
+
+
+__all__ = ["DoesNotFit", "device_memory", "step_bytes", "check_fits", "largest_batch"]
