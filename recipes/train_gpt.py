@@ -81,7 +81,7 @@ class DataConfig:
 
 UNROLL_MAX_LAYERS = 8  # deeper models scan their layers: an unrolled stack's compile time grows with depth
 # On a TPU the scan itself costs time: gpt2-small's step took 180.7 ms scanned, 155.1 ms unrolled (docs/profiling.md).
-ACCELERATOR_UNROLL_MAX_LAYERS = 16
+ACCELERATOR_UNROLL_MAX_LAYERS = 12
 
 
 @dataclass
@@ -469,10 +469,11 @@ def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_mod
 
 
 def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, model_like, state, optimizer,
-              log) -> TrainConfig:
+              log):
     """--batch-size checked against the device's memory by compiling the step (`eqgpt.train.fit`), 'auto'
-    resolved to the largest batch that fits; **returns** `cfg` with that batch. Raises `DoesNotFit`
-    (a `ValueError` naming the GiB and the flags to change) before anything is written."""
+    resolved to the largest batch that fits; **returns** `cfg` with that batch and the compiled step (`None`
+    where the device's memory is unknown, as on a CPU). Raises `DoesNotFit` (a `ValueError` naming the GiB
+    and the flags to change) before anything is written."""
     def compile_at(rows: int):
         step = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                                z_loss=cfg.z_loss, model_like=model_like)
@@ -485,8 +486,8 @@ def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, m
         batch = largest_batch(compile_at, multiple=multiple, start=max(multiple, 8 // multiple * multiple), log=log)
         strategy.check(model_like, batch_size=batch, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
         log(f"--batch-size auto: {batch} sequences per step")
-    check_fits(lambda: compile_at(batch), what=f"the training step at --batch-size {batch}")
-    return dataclasses.replace(cfg, batch_size=batch)
+    compiled = check_fits(lambda: compile_at(batch), what=f"the training step at --batch-size {batch}")
+    return dataclasses.replace(cfg, batch_size=batch), compiled
 
 
 def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
@@ -518,7 +519,7 @@ def main(cfg: TrainConfig) -> dict:
         log(buckets)
     check_fault_flags(cfg)
     state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
-    cfg = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # no run yet if it cannot fit
+    cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # before any file
     out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
     log(f"run directory: {out}")
     if compile_cache is not None:
@@ -535,6 +536,8 @@ def main(cfg: TrainConfig) -> dict:
     state = starting_state(cfg, checkpointer, state, log, loader)
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
+    if compiled is not None and cfg.data.mode == "windows" and not (cfg.report or cfg.estimate):  # no 2nd compile
+        step_fn = compiled
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()

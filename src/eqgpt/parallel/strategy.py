@@ -396,7 +396,17 @@ class Strategy:
 
         for part in self.parts:
             loss = part.loss_fn(self, loss, chunk_size=chunk_size, z_loss=z_loss, model_like=model_like)
-        return loss
+        return loss if self.mesh is None else self._on_mesh(loss)
+
+    def _on_mesh(self, fn: Callable) -> Callable:
+        """`fn` traced with this mesh as the ambient (abstract) mesh, so that what cannot be partitioned
+        automatically (a Pallas kernel: `eqgpt.nn.kernels.splash`) can map itself over its axes."""
+
+        def on_mesh(*args, **kwargs):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return fn(*args, **kwargs)
+
+        return on_mesh
 
     def grad_fn(
         self, policy: Policy | None = None, *, chunk_size: int = 128, z_loss: float = 0.0, model_like: PyTree = None
@@ -411,7 +421,9 @@ class Strategy:
         policy = Policy() if policy is None else policy
         grad = _first(p.grad_fn(self, policy, chunk_size=chunk_size, z_loss=z_loss, model_like=model_like)
                       for p in self.parts)
-        return policy.value_and_grad(self._loss(chunk_size, z_loss, model_like)) if grad is None else grad
+        if grad is None:
+            return policy.value_and_grad(self._loss(chunk_size, z_loss, model_like))
+        return self._on_mesh(grad)
 
     def sharded_update(self, update: Update) -> Update:
         """The optimizer update `update(grads, opt_state, params) -> (params, opt_state)` as this

@@ -37,8 +37,8 @@ class DoesNotFit(ValueError):
 
     def __init__(self, needed: int | None, available: int, what: str):
         self.needed, self.available = needed, available
-        need = "more than" if needed is None else f"{needed / GIB:.2f} GiB of"
-        super().__init__(f"{what} needs {need} device memory, and the device has {available / GIB:.2f} GiB. "
+        need = "more memory than the device has" if needed is None else f"{needed / GIB:.2f} GiB of device memory"
+        super().__init__(f"{what} needs {need} ({available / GIB:.2f} GiB available). "
                          f"To fit, try: {'; '.join(FIXES)}.")
 
 

@@ -33,7 +33,7 @@ Kernel = Callable[..., object]
 _BUILTIN = ("auto", "reference", "blockwise", "splash", "cudnn")
 # On CPU, `auto` runs `blockwise` from this many keys on: measured forward + backward
 # (`benchmarks/attention_speed.py --cpu`, docs/profiling.md).
-CPU_BLOCKWISE_FROM = 2048
+CPU_BLOCKWISE_FROM = 512
 _REGISTERED: dict[str, Kernel] = {}
 
 
@@ -75,9 +75,10 @@ def auto_kernel_name(mask, q_len: int, k_len: int, dtype, platform: str | None =
     """The built-in kernel `auto` runs for these shapes on `platform` (default: JAX's backend)."""
     platform = jax.default_backend() if platform is None else platform
     if platform == "tpu":
-        from eqgpt.nn.kernels.splash import supports
+        from eqgpt.nn.kernels.splash import in_manual_region, supports
 
-        return "splash" if supports(mask, q_len) and supports(mask, k_len) else "blockwise"
+        fits = supports(mask, q_len) and supports(mask, k_len) and not in_manual_region()
+        return "splash" if fits else "blockwise"
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "blockwise" if k_len >= CPU_BLOCKWISE_FROM else "reference"

@@ -12,6 +12,10 @@ indexing (key/value heads are never repeated in memory). Here it gets:
   split a Pallas call: rows over the batch axes, heads over `tensor`;
 - interpret mode off TPU, so CPU tests run the same kernel.
 
+Not yet inside a `shard_map` that checks varying types (the pipeline's stages, the
+manual path): a Pallas call cannot declare how its outputs vary there, so `auto`
+runs `blockwise` in those regions and `splash` raises.
+
 The mask works on sequence indices: `q_pos` and `k_pos` must be `0..len-1` (self-
 attention over one whole sequence, as training runs it). Context parallelism hands
 kernels that do not read positions the sequence in natural order
@@ -111,6 +115,11 @@ def _local_attention(q, k, v, q_seg, k_seg, *, kind, window, scale):
     return heads_first(out)
 
 
+def in_manual_region() -> bool:
+    """Whether the caller traces inside a `shard_map` (some mesh axes manual)."""
+    return bool(get_abstract_mesh().manual_axes)
+
+
 def _mesh_split(batch: int, heads: int, kv_heads: int):
     """The automatic mesh axes to split over (batch axes, heads axis), or `None` outside a mesh."""
     mesh = get_abstract_mesh()
@@ -157,6 +166,10 @@ def splash_attention(
     local = functools.partial(_local_attention, kind=kind, window=window, scale=scale)
     split = _mesh_split(b, h, g)
     if split is None:
+        if in_manual_region():
+            raise ValueError('attention kernel "splash" cannot run inside a shard_map that checks varying types '
+                             '(the pipeline, the manual path): a Pallas call cannot say how its outputs vary. '
+                             'Use kernel="auto" (blockwise there) or "blockwise".')
         return local(q, k, v, q_seg, k_seg)
     mesh, rows, heads, axes = split
     x, seg = P(rows, None, heads, None), P(rows, None)
