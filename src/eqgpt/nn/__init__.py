@@ -6,7 +6,7 @@ from eqgpt.nn.block import Block
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.gpt import GPT, make_block
 from eqgpt.nn.linear import Linear
-from eqgpt.nn.loss import chunked_cross_entropy, chunked_loss_sums, lm_loss
+from eqgpt.nn.loss import chunked_cross_entropy, chunked_loss_sums, head_loss_sums, lm_loss
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask, make_mask
 from eqgpt.nn.mlp import MLP, SwiGLU
 from eqgpt.nn.moe import MoE, Experts, MoEStats, moe_loss
@@ -19,6 +19,6 @@ __all__ = [
     "MoE", "Experts", "MoEStats", "moe_loss",
     "LayerNorm", "RMSNorm", "Mask", "CausalMask", "DocumentMask", "FullMask",
     "SlidingWindowMask", "make_mask", "apply_rope", "make_block", "lm_loss",
-    "chunked_cross_entropy", "chunked_loss_sums", "logical_axes", "map_constraints", "LogicalAxes", "NoConstraint",
+    "chunked_cross_entropy", "chunked_loss_sums", "head_loss_sums", "logical_axes", "map_constraints", "LogicalAxes", "NoConstraint",
     "REGION_INPUT",
 ]

@@ -176,3 +176,5 @@ def splash_attention(
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(x, x, x, seg, seg), out_specs=x, axis_names=set(axes),
                            check_vma=False)
     return mapped(q, k, v, q_seg, k_seg)
+
+__all__ = ["splash_attention", "block_sizes", "supports", "in_manual_region", "BLOCK_TABLE", "DEFAULT_BLOCK", "LANES"]
