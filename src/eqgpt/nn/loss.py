@@ -114,15 +114,20 @@ def _head_chunks(hidden, targets, mask, c):
     return split(hidden), split(targets), split(mask), pad
 
 
+def _head_logits(h, weight, y):
+    """One chunk's fp32 logits (from `h`'s dtype), their logsumexp and the NLL of `y`."""
+    logits = jnp.einsum("bcd,vd->bcv", h, weight, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return logits, lse, lse - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+
+
 def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
     hs, ys, ms, pad = _head_chunks(hidden, targets, mask, c)
     f32 = jnp.float32
 
     def chunk(d_weight, xs):
         h, y, m = xs
-        logits = jnp.einsum("bcd,vd->bcv", h, weight, preferred_element_type=f32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        nll = lse - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        logits, lse, nll = _head_logits(h, weight, y)
         probs = jnp.exp(logits - lse[..., None])
         # d(nll + z_weight * lse^2)/d logits = softmax - onehot + 2 z_weight lse softmax, per counted position
         d_logits = probs * (1.0 + 2.0 * z_weight * lse)[..., None] * m[..., None]
@@ -141,7 +146,17 @@ def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _fused_head_loss(hidden, weight, targets, mask, c, z_weight):
-    return _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight)[0]
+    """Without differentiation (evaluation): the loss alone, one matmul per chunk."""
+    hs, ys, ms, _ = _head_chunks(hidden, targets, mask, c)
+
+    def chunk(_, xs):
+        h, y, m = xs
+        _, lse, nll = _head_logits(h, weight, y)
+        return None, (jnp.sum(nll * m), jnp.sum(jnp.square(lse) * m))
+
+    _, (nll, z) = jax.lax.scan(chunk, None, (hs, ys, ms))
+    nll, z = jnp.sum(nll), jnp.sum(z)
+    return nll + z_weight * z, (nll, z)
 
 
 def _fused_head_loss_bwd(c, z_weight, res, cotangents):
