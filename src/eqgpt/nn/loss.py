@@ -55,14 +55,7 @@ def chunked_loss_sums(
 def _chunked_loss_sums(logits_fn, hidden, targets, loss_mask, chunk_size, cross_entropy):
     b, t, _ = hidden.shape
     mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
-    c = min(chunk_size, t)
-    pad = (-t) % c
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        mask = jnp.pad(mask, ((0, 0), (0, pad)))
-    n = (t + pad) // c
-    split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)  # noqa: E731
+    hs, ys, ms, _ = _split_chunks(hidden, targets, mask, min(chunk_size, t))
 
     @jax.checkpoint
     def chunk(_, xs):
@@ -70,7 +63,7 @@ def _chunked_loss_sums(logits_fn, hidden, targets, loss_mask, chunk_size, cross_
         nll, lse = cross_entropy(logits_fn(h), y)
         return None, (jnp.sum(nll * m), jnp.sum(jnp.square(lse) * m))
 
-    _, (nll, z) = jax.lax.scan(chunk, None, (split(hidden), split(targets), split(mask)))
+    _, (nll, z) = jax.lax.scan(chunk, None, (hs, ys, ms))
     return jnp.sum(nll), jnp.sum(z), jnp.sum(mask)
 
 
@@ -102,7 +95,8 @@ def head_loss_sums(
         return total, stats
 
 
-def _head_chunks(hidden, targets, mask, c):
+def _split_chunks(hidden, targets, mask, c):
+    """`[n, b, c, ...]` chunks of `c` positions (the sequence padded to a multiple), and the padding."""
     b, t, _ = hidden.shape
     pad = (-t) % c
     if pad:
@@ -122,7 +116,7 @@ def _head_logits(h, weight, y):
 
 
 def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
-    hs, ys, ms, pad = _head_chunks(hidden, targets, mask, c)
+    hs, ys, ms, pad = _split_chunks(hidden, targets, mask, c)
     f32 = jnp.float32
 
     def chunk(d_weight, xs):
@@ -137,7 +131,11 @@ def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
         d_weight = d_weight + jnp.einsum("bcv,bcd->vd", d_logits, h, preferred_element_type=f32)
         return d_weight, (jnp.sum(nll * m), jnp.sum(jnp.square(lse) * m), d_h)
 
-    d_weight, (nll, z, d_h) = jax.lax.scan(chunk, jnp.zeros(weight.shape, f32), (hs, ys, ms))
+    # The first chunk starts the sum, so the carry has the type its sum will have (varying over
+    # the axes `hidden` varies over, inside shard_map), which zeros would not.
+    d_weight, first = chunk(0.0, (hs[0], ys[0], ms[0]))
+    d_weight, rest = jax.lax.scan(chunk, d_weight, (hs[1:], ys[1:], ms[1:]))
+    nll, z, d_h = (jnp.concatenate([a[None], b]) for a, b in zip(first, rest))
     b, t = hidden.shape[:2]
     d_h = jnp.moveaxis(d_h, 0, 1).reshape(b, t + pad, -1)[:, :t]
     nll, z = jnp.sum(nll), jnp.sum(z)
@@ -147,7 +145,7 @@ def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _fused_head_loss(hidden, weight, targets, mask, c, z_weight):
     """Without differentiation (evaluation): the loss alone, one matmul per chunk."""
-    hs, ys, ms, _ = _head_chunks(hidden, targets, mask, c)
+    hs, ys, ms, _ = _split_chunks(hidden, targets, mask, c)
 
     def chunk(_, xs):
         h, y, m = xs

@@ -28,6 +28,7 @@ repeating the same work is a bug, not a configuration.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -402,6 +403,7 @@ class Strategy:
         """`fn` traced with this mesh as the ambient (abstract) mesh, so that what cannot be partitioned
         automatically (a Pallas kernel: `eqgpt.nn.kernels.splash`) can map itself over its axes."""
 
+        @functools.wraps(fn)  # keeps what a gradient function carries (a pipeline's `report`)
         def on_mesh(*args, **kwargs):
             with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
                 return fn(*args, **kwargs)
