@@ -125,6 +125,11 @@ def load_balancing_loss(router_logits, k: int, convention: str = "assignments"):
       fraction of all `seq * k` top-k assignments that go to `e`, so `sum_e f_e = 1`
       and perfect balance gives 1 for any `k` (not `k`, as HF's Mixtral loss gives).
       With `k = 1` the two agree.
+
+    Scope: `f` and `P` per sequence, the loss averaged over sequences, as eqgpt states
+    (`MoEStats.balance`). The paper takes them over the whole batch; pass the batch as
+    one sequence (`[1, batch * seq, E]`) for that. The two differ unless the sequences
+    route alike.
     """
     logits = np.asarray(router_logits, np.float64)
     b, t, e = logits.shape
@@ -170,6 +175,33 @@ def capacity_kept(experts, num_experts: int, capacity: int):
                     kept[row, pos, rank] = True
                     served[e] += 1
     return kept
+
+
+def gelu_tanh(x):
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016): `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def moe_output(x, router, up, down, k: int, kept=None, renormalize: bool = True):
+    """Top-k MoE layer (Shazeer et al. 2017; Mixtral's renormalised weights), float64:
+    `y_t = sum over kept choices r of w_{t,r} * down_e(gelu(up_e(x_t)))`, `e` the r-th choice,
+    `w` the chosen router probabilities (divided by their sum when `renormalize`).
+
+    `x: [b, t, d]`, `router: [d, E]`, `up: [E, d, f]`, `down: [E, f, d]`, `kept: [b, t, k]`
+    (default: all kept, dropless).
+    """
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(router, np.float64)
+    probs = softmax(logits)
+    chosen = top_k_experts(logits, k)
+    w = np.take_along_axis(probs, chosen, axis=-1)
+    if renormalize and k > 1:
+        w = w / w.sum(axis=-1, keepdims=True)
+    if kept is not None:
+        w = w * kept
+    up, down = np.asarray(up, np.float64), np.asarray(down, np.float64)
+    every = np.einsum("efd,btef->bted", down, gelu_tanh(np.einsum("btd,edf->btef", x, up)))  # [b, t, E, d]
+    return np.einsum("btkd,btk->btd", np.take_along_axis(every, chosen[..., None], axis=2), w)
 
 
 # --------------------------------------------------------------------- cross-entropy
