@@ -72,9 +72,9 @@ def test_lm_loss_z_loss():
     windows = jax.random.randint(jax.random.key(1), (2, 17), 0, 64)
     tokens, targets = windows[:, :-1], windows[:, 1:]
     mask = jnp.ones((2, 16)).at[1, :5].set(0.0)
-    loss, aux = eqx.filter_jit(lambda m: nn.lm_loss(m, tokens, targets, loss_mask=mask, z_loss=Z))(model)
-    hidden = np.asarray(eqx.filter_jit(lambda m: m.features(tokens))(model), np.float64)
-    logits = hidden @ np.asarray(model.head_matrix(), np.float64).T
+    (loss, aux), hidden = eqx.filter_jit(
+        lambda m: (nn.lm_loss(m, tokens, targets, loss_mask=mask, z_loss=Z), m.features(tokens)))(model)
+    logits = np.asarray(hidden, np.float64) @ np.asarray(model.head_matrix(), np.float64).T
     want, nll, z = ref.cross_entropy(logits, targets, mask, Z)
     assert rel_err(loss, want) < TOL and rel_err(aux["nll"], nll) < TOL and rel_err(aux["z_loss"], z) < TOL
 
