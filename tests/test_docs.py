@@ -16,6 +16,7 @@ import pytest
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 STATED = re.compile(r"^<!-- prints(?: rtol=([0-9.]+))? -->\n```text\n(.*?)^```", re.S | re.M)
+MARKER = re.compile(r"<!--\s*prints\b")  # any marker, well-formed or not
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
@@ -84,3 +85,13 @@ def test_every_stated_output_follows_a_snippet():
         first = BLOCK.search(text)
         for m in STATED.finditer(text):
             assert first and m.start() > first.end(), f"{page}: a <!-- prints --> block before any python snippet"
+
+
+def test_every_prints_marker_is_checked():
+    """As many `<!-- prints -->` markers as checked blocks: a marker `STATED` misses (a typo, a
+    blank line before its block) would otherwise state a figure nothing checks."""
+    markers = sum(len(MARKER.findall(page.read_text())) for page in DOCS.rglob("*.md"))
+    checked = sum(len(param.values[1]) for param in snippets())
+    assert markers == checked > 0
+    unchecked = "<!-- prints -->\n\n```text\n1.0\n```\n"
+    assert MARKER.search(unchecked) and not STATED.search(unchecked)

@@ -1,0 +1,246 @@
+"""Independent references: plain NumPy (float64) definitions from the papers.
+
+Nothing here imports eqgpt or follows its code; `tests/test_references.py` checks
+eqgpt against these. Each function states the definition it implements.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- masks
+# Each mask is a boolean array `[q, k]` (or `[batch, q, k]`): True where query
+# position i may attend key position j. Combine them with `&`.
+
+
+def causal_mask(q_pos, k_pos):
+    """Causal (GPT): j <= i."""
+    i, j = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+    return j <= i
+
+
+def sliding_window_mask(q_pos, k_pos, window: int):
+    """Sliding window (Longformer/Mistral): the last `window` keys, i - window < j <= i."""
+    i, j = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+    return (i - window < j) & (j <= i)
+
+
+def document_mask(q_seg, k_seg):
+    """Packed documents: same segment id. `[batch, q]`, `[batch, k]` -> `[batch, q, k]`."""
+    return np.asarray(q_seg)[:, :, None] == np.asarray(k_seg)[:, None, :]
+
+
+# ------------------------------------------------------------------------- attention
+
+
+def _expand_kv(x, heads: int):
+    """GQA: kv head `g` serves query heads `g * r .. g * r + r - 1`, `r = heads // kv_heads`
+    (each kv head repeated `r` times in place, as `repeat_interleave`)."""
+    return np.repeat(x, heads // x.shape[2], axis=2)
+
+
+def _mask_bhts(mask, b: int):
+    mask = np.asarray(mask, bool)
+    return np.broadcast_to(mask if mask.ndim == 3 else mask[None], (b, *mask.shape[-2:]))[:, None]
+
+
+def attention(q, k, v, mask, scale=None):
+    """`softmax(q k^T * scale, masked) v` per head, in float64.
+
+    `q: [b, t, h, d]`, `k, v: [b, s, g, d]` with `h % g == 0` (GQA); `mask: [t, s]` or
+    `[b, t, s]`; `scale` defaults to `d ** -0.5`. A query with no allowed key gets zeros.
+    """
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    h, d = q.shape[2], q.shape[3]
+    scale = d**-0.5 if scale is None else scale
+    probs = _probs(q, _expand_kv(k, h), _mask_bhts(mask, q.shape[0]), scale)
+    return np.einsum("bhts,bshd->bthd", probs, _expand_kv(v, h))
+
+
+def _probs(q, k, mask, scale):
+    s = np.einsum("bthd,bshd->bhts", q, k) * scale
+    s = np.where(mask, s, -np.inf)
+    top = np.max(s, axis=-1, keepdims=True)
+    e = np.where(mask, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1.0)
+
+
+def attention_grads(q, k, v, mask, d_out, scale=None):
+    """Gradients `(dq, dk, dv)` of `sum(attention(q, k, v, mask) * d_out)`, float64.
+
+    The softmax backward: with `P` the probabilities and `dP = dO V^T`,
+    `dS = P * (dP - rowsum(P * dP))`; `dQ = dS K scale`, `dK = dS^T Q scale`,
+    `dV = P^T dO`. A kv head's gradient sums those of the query heads it serves.
+    """
+    q, k, v, d_out = (np.asarray(a, np.float64) for a in (q, k, v, d_out))
+    b, _, h, d = q.shape
+    g = k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+    p = _probs(q, ke, _mask_bhts(mask, b), scale)
+    dv = np.einsum("bhts,bthd->bshd", p, d_out)
+    dp = np.einsum("bthd,bshd->bhts", d_out, ve)
+    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    dq = np.einsum("bhts,bshd->bthd", ds, ke) * scale
+    dk = np.einsum("bhts,bthd->bshd", ds, q) * scale
+
+    def fold(x):  # [b, s, h, d] -> [b, s, g, d]: sum the query heads sharing a kv head
+        return x.reshape(x.shape[0], x.shape[1], g, h // g, d).sum(axis=3)
+
+    return dq, fold(dk), fold(dv)
+
+
+# ----------------------------------------------------------------------- MoE router
+
+
+def softmax(x, axis=-1):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def logsumexp(x, axis=-1):
+    x = np.asarray(x, np.float64)
+    top = np.max(x, axis=axis, keepdims=True)
+    return np.log(np.sum(np.exp(x - top), axis=axis)) + np.squeeze(top, axis)
+
+
+def top_k_experts(router_logits, k: int):
+    """Each token's `k` experts by descending router probability, `[..., k]`."""
+    return np.argsort(-np.asarray(router_logits, np.float64), axis=-1, kind="stable")[..., :k]
+
+
+def load_balancing_loss(router_logits, k: int, convention: str = "assignments"):
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4), `E * sum_e f_e P_e`,
+    for each sequence of `router_logits: [batch, seq, E]`, then averaged over sequences.
+
+    `P_e`: the mean over the sequence's tokens of the router probability of expert `e`.
+    `f_e` depends on `convention`:
+
+    - "top1" (the paper, top-1 routing): the fraction of tokens whose argmax is `e`.
+    - "assignments" (eqgpt's stated convention for top-k, `MoEStats.balance`): the
+      fraction of all `seq * k` top-k assignments that go to `e`, so `sum_e f_e = 1`
+      and perfect balance gives 1 for any `k` (not `k`, as HF's Mixtral loss gives).
+      With `k = 1` the two agree.
+
+    Scope: `f` and `P` per sequence, the loss averaged over sequences, as eqgpt states
+    (`MoEStats.balance`). The paper takes them over the whole batch; pass the batch as
+    one sequence (`[1, batch * seq, E]`) for that. The two differ unless the sequences
+    route alike.
+    """
+    logits = np.asarray(router_logits, np.float64)
+    b, t, e = logits.shape
+    probs = softmax(logits)
+    chosen = top_k_experts(logits, 1 if convention == "top1" else k)
+    if convention not in ("top1", "assignments"):
+        raise ValueError(convention)
+    counts = np.stack([np.bincount(chosen[i].reshape(-1), minlength=e) for i in range(b)])
+    f = counts / chosen[0].size
+    p = probs.mean(axis=1)
+    return float(np.mean(e * np.sum(f * p, axis=-1)))
+
+
+def router_z_loss(router_logits):
+    """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): the mean over tokens of
+    `logsumexp(router logits)^2`."""
+    lse = logsumexp(router_logits)
+    return float(np.mean(lse**2))
+
+
+def expert_capacity(seq: int, num_experts: int, k: int, capacity_factor: float) -> int:
+    """Slots per expert and sequence: `ceil(capacity_factor * seq * k / num_experts)`."""
+    return math.ceil(capacity_factor * seq * k / num_experts)
+
+
+def capacity_kept(experts, num_experts: int, capacity: int):
+    """Which assignments get a slot, `[batch, seq, k]` bool, given each token's chosen
+    experts `[batch, seq, k]` (choice rank along the last axis).
+
+    Per sequence, assignments are served one at a time: all first choices in order of
+    position, then all second choices, and so on; an assignment is kept while its expert
+    has served fewer than `capacity`, else dropped.
+    """
+    experts = np.asarray(experts)
+    b, t, k = experts.shape
+    kept = np.zeros(experts.shape, bool)
+    for row in range(b):
+        served = np.zeros(num_experts, int)
+        for rank in range(k):
+            for pos in range(t):
+                e = experts[row, pos, rank]
+                if served[e] < capacity:
+                    kept[row, pos, rank] = True
+                    served[e] += 1
+    return kept
+
+
+def gelu_tanh(x):
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016): `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def moe_output(x, router, up, down, k: int, kept=None, renormalize: bool = True):
+    """Top-k MoE layer (Shazeer et al. 2017; Mixtral's renormalised weights), float64:
+    `y_t = sum over kept choices r of w_{t,r} * down_e(gelu(up_e(x_t)))`, `e` the r-th choice,
+    `w` the chosen router probabilities (divided by their sum when `renormalize`).
+
+    `x: [b, t, d]`, `router: [d, E]`, `up: [E, d, f]`, `down: [E, f, d]`, `kept: [b, t, k]`
+    (default: all kept, dropless).
+    """
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(router, np.float64)
+    probs = softmax(logits)
+    chosen = top_k_experts(logits, k)
+    w = np.take_along_axis(probs, chosen, axis=-1)
+    if renormalize and k > 1:
+        w = w / w.sum(axis=-1, keepdims=True)
+    if kept is not None:
+        w = w * kept
+    up, down = np.asarray(up, np.float64), np.asarray(down, np.float64)
+    every = np.einsum("efd,btef->bted", down, gelu_tanh(np.einsum("btd,edf->btef", x, up)))  # [b, t, E, d]
+    return np.einsum("btkd,btk->btd", np.take_along_axis(every, chosen[..., None], axis=2), w)
+
+
+# --------------------------------------------------------------------- cross-entropy
+
+
+def cross_entropy(logits, targets, loss_mask=None, z_weight: float = 0.0):
+    """Masked mean of `nll + z_weight * lse^2` over positions (PaLM's z-loss), float64.
+
+    `nll = lse(logits) - logits[target]`. Returns `(loss, mean nll, mean lse^2)`; the
+    means divide by the mask's sum (at least 1).
+    """
+    logits = np.asarray(logits, np.float64)
+    targets = np.asarray(targets)
+    m = np.ones(targets.shape) if loss_mask is None else np.asarray(loss_mask, np.float64)
+    lse = logsumexp(logits)
+    nll = lse - np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    count = max(float(m.sum()), 1.0)
+    nll_mean, z_mean = float((nll * m).sum() / count), float((lse**2 * m).sum() / count)
+    return nll_mean + z_weight * z_mean, nll_mean, z_mean
+
+
+def cross_entropy_logit_grad(logits, targets, loss_mask=None, z_weight: float = 0.0):
+    """Gradient of `cross_entropy(...)[0]` in the logits: per position
+    `m * (softmax * (1 + 2 z_weight lse) - onehot(target)) / sum(m)`."""
+    logits = np.asarray(logits, np.float64)
+    targets = np.asarray(targets)
+    m = np.ones(targets.shape) if loss_mask is None else np.asarray(loss_mask, np.float64)
+    lse = logsumexp(logits)
+    onehot = np.eye(logits.shape[-1])[targets]
+    grad = softmax(logits) * (1 + 2 * z_weight * lse)[..., None] - onehot
+    return grad * m[..., None] / max(float(m.sum()), 1.0)
+
+
+# --------------------------------------------------------------------------- ZeRO-2
+
+
+def zero2_shard(replica_grads, index: int, dim: int):
+    """ZeRO-2's reduce-scatter (Rajbhandari et al. 2020): device `index` holds block
+    `index` (of `n` equal blocks along `dim`) of the gradient averaged over the `n`
+    data-parallel replicas, `mean_r g_r`."""
+    avg = np.mean(np.stack([np.asarray(g, np.float64) for g in replica_grads]), axis=0)
+    return np.split(avg, len(replica_grads), axis=dim)[index]
