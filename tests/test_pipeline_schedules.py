@@ -286,10 +286,11 @@ def test_uneven_stages_hold_their_own_layers_and_padding_slots():
 
 
 def test_auto_split_of_gpt2_small_on_four_stages_comes_from_measured_flops():
-    """The compiled FLOPs of GPT-2 small: the head (768 x 50304) costs about 4.9 layers."""
+    """The compiled FLOPs of GPT-2 small: the head (768 x 50257) costs about 6.1 layers (whose attention
+    is `blockwise` at 1024 tokens, `auto`'s choice on a CPU: it skips the masked blocks)."""
     model = eqx.filter_eval_shape(lambda k: nn.GPT(eqgpt.config.preset("gpt2-small"), key=k), jax.random.key(0))
     costs = measure_costs(model, (1, 1024))
-    assert 4.0 < costs.head / costs.layer < 5.5 and costs.embed < 0.01 * costs.layer
+    assert 5.5 < costs.head / costs.layer < 6.5 and costs.embed < 0.01 * costs.layer
     fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b", 4, layers_per_stage="auto")
     assert fn.split(model, (8, 1024)) == (4, 4, 4, 0)  # one row per device and microbatch
 

@@ -91,13 +91,7 @@ class UnfusedHead(eqx.Module):
         return self.gpt.logits(h)
 
 
-FUSED_HEAD_BUG = pytest.mark.xfail(
-    raises=TypeError, strict=True,
-    reason="at 60a5faf the fused head's scan carry (loss.py _fused_head_loss_fwd) is not varying "
-           "under shard_map: manual ZeRO fails (also tests/test_zero.py's manual cases)")
-
-
-@pytest.mark.parametrize("head", ["unfused", pytest.param("fused", marks=FUSED_HEAD_BUG)])
+@pytest.mark.parametrize("head", ["unfused", "fused"])
 def test_zero2_shard_is_the_block_of_the_averaged_gradient(head):
     """Manual ZeRO-2 over `data=8`: device i holds block i (along the first dimension of size
     divisible by 8) of the mean of the 8 replicas' gradients; other arrays whole."""

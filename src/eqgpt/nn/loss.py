@@ -134,8 +134,10 @@ def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
     # The first chunk starts the sum, so the carry has the type its sum will have (varying over
     # the axes `hidden` varies over, inside shard_map), which zeros would not.
     d_weight, first = chunk(0.0, (hs[0], ys[0], ms[0]))
-    d_weight, rest = jax.lax.scan(chunk, d_weight, (hs[1:], ys[1:], ms[1:]))
-    nll, z, d_h = (jnp.concatenate([a[None], b]) for a, b in zip(first, rest))
+    nll, z, d_h = (a[None] for a in first)
+    if hs.shape[0] > 1:
+        d_weight, rest = jax.lax.scan(chunk, d_weight, (hs[1:], ys[1:], ms[1:]))
+        nll, z, d_h = (jnp.concatenate([a, b]) for a, b in zip((nll, z, d_h), rest))
     b, t = hidden.shape[:2]
     d_h = jnp.moveaxis(d_h, 0, 1).reshape(b, t + pad, -1)[:, :t]
     nll, z = jnp.sum(nll), jnp.sum(z)

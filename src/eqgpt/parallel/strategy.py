@@ -28,7 +28,6 @@ repeating the same work is a bug, not a configuration.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -403,7 +402,6 @@ class Strategy:
         """`fn` traced with this mesh as the ambient (abstract) mesh, so that what cannot be partitioned
         automatically (a Pallas kernel: `eqgpt.nn.kernels.splash`) can map itself over its axes."""
 
-        @functools.wraps(fn)  # keeps what a gradient function carries (a pipeline's `report`)
         def on_mesh(*args, **kwargs):
             with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
                 return fn(*args, **kwargs)
@@ -423,9 +421,7 @@ class Strategy:
         policy = Policy() if policy is None else policy
         grad = _first(p.grad_fn(self, policy, chunk_size=chunk_size, z_loss=z_loss, model_like=model_like)
                       for p in self.parts)
-        if grad is None:
-            return policy.value_and_grad(self._loss(chunk_size, z_loss, model_like))
-        return self._on_mesh(grad)
+        return policy.value_and_grad(self._loss(chunk_size, z_loss, model_like)) if grad is None else grad
 
     def sharded_update(self, update: Update) -> Update:
         """The optimizer update `update(grads, opt_state, params) -> (params, opt_state)` as this

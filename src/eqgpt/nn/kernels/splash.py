@@ -177,4 +177,4 @@ def splash_attention(
                            check_vma=False)
     return mapped(q, k, v, q_seg, k_seg)
 
-__all__ = ["splash_attention", "block_sizes", "supports", "in_manual_region", "BLOCK_TABLE", "DEFAULT_BLOCK", "LANES"]
+__all__ = ["splash_attention", "block_sizes", "supports", "in_manual_region"]
