@@ -46,7 +46,7 @@ def test_matmul_floor_finds_every_matmul_of_the_step():
     assert sum(shapes.values()) == 5 * 3  # per layer: forward, and two in the backward pass
 
 
-def test_gpu_mfu_script_runs_on_cpu_when_asked(capsys):
+def test_accelerator_mfu_script_runs_on_cpu_when_asked(capsys):
     assert load("accelerator_mfu").main(["--cpu", "--preset", "nano", "--kernel", "reference", "--precision", "fp32",
                                  "--batch", "2", "--steps", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
