@@ -73,6 +73,7 @@ def measure(cfg: eqgpt.GPTConfig, *, batch: int, precision: str = "bf16", steps:
             table = category_table(logs, hlo_text=compiled)
             if save_to:
                 import shutil
+
                 from eqgpt.profile.trace import trace_files
                 shutil.copy(trace_files(logs)["xplane"], f"{save_to}.xplane.pb")
                 open(f"{save_to}.hlo.txt", "w").write(compiled.compiled.as_text())

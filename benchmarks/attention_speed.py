@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                 splash.BLOCK_TABLE.clear()
                 splash.BLOCK_TABLE[(t, d, dtype.name)] = (bq, bkv)
                 row.append(cell(attention_fn("splash"), (b, t, h, d), (b, t, g, d), dtype, args.repeats))
-            times = {blk: float(c) for blk, c in zip(blocks, row) if c not in ("-", "OOM", "n/a")}
+            times = {blk: float(c) for blk, c in zip(blocks, row, strict=True) if c not in ("-", "OOM", "n/a")}
             best = min(times, key=times.get) if times else None
             print(f"{t:6d}" + "".join(c.rjust(11) for c in row) + f"   {best}")
         return 0

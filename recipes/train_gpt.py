@@ -27,10 +27,10 @@ import eqgpt
 from eqgpt import distributed
 from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
 from eqgpt.data import bytes_per_token, eval_windows, load_corpus
+from eqgpt.data.batch import Batch
 from eqgpt.data.corpus import is_token_file
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
-from eqgpt.data.batch import Batch
 from eqgpt.nn import GPT
 from eqgpt.nn.kernels import auto_kernel_name
 from eqgpt.nn.mask import make_mask

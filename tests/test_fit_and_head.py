@@ -52,7 +52,7 @@ def test_fused_head_loss_equals_the_definition_and_autodiff(z_weight):
 
     got = jax.grad(fused, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w))
     ref = jax.grad(plain, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w))
-    for a, b in zip(got, ref):  # fp32, highest precision: measured <= 2e-6 of the largest entry
+    for a, b in zip(got, ref, strict=True):  # fp32, highest precision: measured <= 2e-6 of the largest entry
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
 

@@ -73,7 +73,7 @@ def test_splash_equals_the_dense_definition_values_and_gradients(case, heads, kv
     (_, out), grads = jax.value_and_grad(splash, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     (_, want), want_grads = jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     # fp32 at highest matmul precision: measured differences are <= 6e-7 of the largest value.
-    for got, ref in ((out, want), *zip(grads, want_grads)):
+    for got, ref in ((out, want), *zip(grads, want_grads, strict=True)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
@@ -134,7 +134,7 @@ def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules):
     loss1, g1 = grads(Strategy())
     loss8, g8 = grads(Strategy.parse(mesh, rules))
     assert abs(loss8 - loss1) < 1e-5
-    for a, b in zip(g8, g1):
+    for a, b in zip(g8, g1, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -9,7 +9,7 @@ from eqgpt.nn.linear import Linear
 from eqgpt.nn.loss import chunked_cross_entropy, chunked_loss_sums, head_loss_sums, lm_loss
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask, make_mask
 from eqgpt.nn.mlp import MLP, SwiGLU
-from eqgpt.nn.moe import MoE, Experts, MoEStats, moe_loss
+from eqgpt.nn.moe import Experts, MoE, MoEStats, moe_loss
 from eqgpt.nn.norm import LayerNorm, RMSNorm
 from eqgpt.nn.protocol import LanguageModel
 from eqgpt.nn.rope import apply_rope

@@ -137,7 +137,7 @@ def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
     nll, z, d_h = (a[None] for a in first)
     if hs.shape[0] > 1:
         d_weight, rest = jax.lax.scan(chunk, d_weight, (hs[1:], ys[1:], ms[1:]))
-        nll, z, d_h = (jnp.concatenate([a, b]) for a, b in zip((nll, z, d_h), rest))
+        nll, z, d_h = (jnp.concatenate([a, b]) for a, b in zip((nll, z, d_h), rest, strict=True))
     b, t = hidden.shape[:2]
     d_h = jnp.moveaxis(d_h, 0, 1).reshape(b, t + pad, -1)[:, :t]
     nll, z = jnp.sum(nll), jnp.sum(z)
