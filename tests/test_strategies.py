@@ -88,7 +88,8 @@ def corpus(tmp_path_factory) -> list[str]:
 def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]:
     """`python recipes/train_gpt.py <flags>` in a fresh process, as a user runs it (and apart from
     the compiled programs this worker has accumulated: XLA:CPU in jax 0.12 has crashed compiling
-    in a long-lived test process what compiles fine in a new one); **returns** its logged losses."""
+    in a long-lived test process what compiles fine in a new one); **returns** its logged
+    `(loss, grad_norm)` per step."""
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
     # XLA_FLAGS comes from conftest.py: every compile at XLA:CPU's backend optimisation level 0.
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES}
@@ -96,7 +97,8 @@ def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]
                           timeout=600, check=False)
     assert proc.returncode == 0, f"train_gpt.py {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    # (loss, grad_norm) per step: a gradient scaled by a constant leaves AdamW's losses alike, not its norm.
+    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
 _RUNS: dict[str, tuple[list[float], Path]] = {}
