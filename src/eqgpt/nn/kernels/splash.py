@@ -46,8 +46,7 @@ BLOCK_TABLE: dict[tuple[int, int, str], tuple[int, int]] = {
     (1024, 64, "bfloat16"): (1024, 1024),
 }
 DEFAULT_BLOCK = 1024
-# Mesh axes whose shards of the batch rows the kernel runs on, in this order; heads split over TENSOR.
-TENSOR = "tensor"
+TENSOR = "tensor"  # the mesh axis heads split over; every other automatic axis takes batch rows
 
 
 def block_sizes(seq_len: int, head_dim: int, dtype) -> tuple[int, int]:
@@ -62,18 +61,19 @@ def block_sizes(seq_len: int, head_dim: int, dtype) -> tuple[int, int]:
 def supports(mask: Mask, seq_len: int) -> bool:
     """Whether the kernel runs this mask at this length (a multiple of 128)."""
     try:
-        _splash_mask(mask, seq_len)
+        _splash_mask(mask)
     except ValueError:
         return False
     return seq_len % LANES == 0
 
 
-def _splash_mask(mask: Mask, n: int):
-    if isinstance(mask, DocumentMask):
+def _splash_mask(mask: Mask):
+    """`(kind, window)` of a mask splash has a form of (exact types: a subclass may mean another mask)."""
+    if type(mask) is DocumentMask:
         mask = mask.inner
-    if isinstance(mask, SlidingWindowMask):  # splash's left window counts keys before i: window - 1
+    if type(mask) is SlidingWindowMask:  # splash's left window counts keys before i: window - 1
         return ("local", mask.window)
-    if isinstance(mask, CausalMask):
+    if type(mask) is CausalMask:
         return ("causal", None)
     if type(mask) in (FullMask, Mask):
         return ("full", None)
@@ -156,7 +156,7 @@ def splash_attention(
     del q_pos, k_pos  # sequence indices are the positions (module docstring)
     b, t, h, d = q.shape
     s, g = k.shape[1], k.shape[2]
-    kind, window = _splash_mask(mask, s)
+    kind, window = _splash_mask(mask)
     if t % LANES or s % LANES:
         raise ValueError(f'attention kernel "splash" needs sequence lengths that are multiples of {LANES}, got '
                          f'{t} queries and {s} keys; use kernel="blockwise" or pad the sequence.')
