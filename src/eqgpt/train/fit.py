@@ -80,10 +80,10 @@ def check_fits(compile_step: Callable[[], Any], *, what: str = "the training ste
             used = re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])", str(e))
             unit = lambda n, u: int(float(n) * 2 ** (10 * "KMGT".index(u) + 10))  # noqa: E731
             needed = unit(*used.group(1, 2)) if used else None
-            available = unit(*used.group(3, 4)) if used else (limit or 0)
+            available = unit(*used.group(3, 4)) if used else limit
             raise DoesNotFit(needed, available, what) from None
         raise
-    if limit is not None and (needed := step_bytes(compiled)) > limit:
+    if (needed := step_bytes(compiled)) > limit:
         raise DoesNotFit(needed, limit, what)
     return compiled
 
@@ -100,11 +100,13 @@ def largest_batch(compile_at: Callable[[int], Any], *, multiple: int, start: int
     if limit is None:
         return start
 
-    def bytes_at(batch: int) -> int | None:
+    def bytes_at(batch: int) -> int | None:  # None: the compiler itself ran out
         try:
-            return step_bytes(check_fits(lambda: compile_at(batch), limit=2**62))
-        except DoesNotFit:
-            return None
+            return step_bytes(compile_at(batch))
+        except Exception as e:  # noqa: BLE001
+            if _out_of_memory(e):
+                return None
+            raise
 
     small = bytes_at(start)
     if small is None or small > limit:
