@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default=None, help="comma-separated (TPU: blockwise,reference,xla,splash)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="time splash over --blocks at each length")
-    p.add_argument("--blocks", default="256x256,512x512,512x1024,1024x512,1024x1024,2048x512,2048x1024")
+    p.add_argument("--blocks", default="512x512,1024x1024,512x512f,1024x512f,512x1024f,1024x1024f",
+                   help="QxKV block sizes; a trailing f runs the fused backward kernel")
     p.add_argument("--cpu", action="store_true", help="the CPU table (reference vs blockwise)")
     args = p.parse_args(argv)
     platform = jax.devices()[0].platform
@@ -91,20 +92,21 @@ def main(argv=None) -> int:
     print(f"attention forward + backward, causal, {tokens} tokens per call, heads {h}/{g} kv, head_dim {d}, "
           f"{dtype.name}; {jax.devices()[0].device_kind}; jax {jax.__version__}; median of {args.repeats}, ms")
     if args.sweep:
-        blocks = [tuple(int(x) for x in b.split("x")) for b in args.blocks.split(",")]
-        print("T".rjust(6) + "".join(f"{b[0]}x{b[1]}".rjust(11) for b in blocks) + "   fastest")
+        names = args.blocks.split(",")
+        blocks = [splash.Blocks(*(int(x) for x in b.rstrip("f").split("x")), b.endswith("f")) for b in names]
+        print("T".rjust(6) + "".join(n.rjust(11) for n in names) + "   fastest")
         for t in seqs:
             b = max(tokens // t, 1)
             row = []
-            for bq, bkv in blocks:
-                if bq > t or bkv > t:
+            for blk in blocks:
+                if blk.q > t or blk.kv > t:
                     row.append("-")
                     continue
                 splash.BLOCK_TABLE.clear()
-                splash.BLOCK_TABLE[(t, d, dtype.name)] = (bq, bkv)
+                splash.BLOCK_TABLE[(t, d, dtype.name)] = blk
                 row.append(cell(attention_fn("splash"), (b, t, h, d), (b, t, g, d), dtype, args.repeats))
             times = {blk: float(c) for blk, c in zip(blocks, row, strict=True) if c not in ("-", "OOM", "n/a")}
-            best = min(times, key=times.get) if times else None
+            best = names[blocks.index(min(times, key=times.get))] if times else None
             print(f"{t:6d}" + "".join(c.rjust(11) for c in row) + f"   {best}")
         return 0
     print("T".rjust(6) + "batch".rjust(7) + "".join(k.rjust(11) for k in kernels))

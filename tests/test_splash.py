@@ -77,6 +77,24 @@ def test_splash_equals_the_dense_definition_values_and_gradients(case, heads, kv
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "two-backward-kernels"])
+def test_splash_over_several_blocks_equals_the_definition(fused, monkeypatch):
+    """Blocks of 128 over 256 positions: the kernel skips and splits blocks, and the fused backward
+    sums dq over key blocks; values and gradients still equal the dense definition."""
+    from eqgpt.nn.kernels import splash
+
+    monkeypatch.setitem(splash.BLOCK_TABLE, (T, 64, "float32"), splash.Blocks(128, 128, fused))
+    mask, allowed, seg = CASES["sliding-document"]
+    q, k, v, ct = inputs(4, 2)
+    pos, seg = jnp.arange(T), jnp.asarray(seg)
+    got = jax.value_and_grad(lambda q, k, v: jnp.sum(get_kernel("splash")(
+        q, k, v, mask=mask, q_pos=pos, k_pos=pos, q_seg=seg, k_seg=seg) * ct), argnums=(0, 1, 2))(q, k, v)
+    want = jax.value_and_grad(lambda q, k, v: jnp.sum(dense_attention(q, k, v, allowed) * ct),
+                              argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
 def test_sliding_window_admits_exactly_window_keys():
     """One key too many (`i - window <= j`) changes the output: the definition is what is tested."""
     q, k, v, _ = inputs()

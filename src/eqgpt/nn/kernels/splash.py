@@ -6,8 +6,8 @@ indexing (key/value heads are never repeated in memory). Here it gets:
 
 - our masks: `CausalMask`, `SlidingWindowMask` (`i - window < j <= i`), `FullMask`,
   and segment ids (document masking) with any of them;
-- block sizes per (sequence, head_dim, dtype) from `BLOCK_TABLE`, measured on a
-  TPU v5e (`benchmarks/attention_speed.py`); JAX's default 128 is slower than XLA;
+- block sizes and the fused backward per (sequence, head_dim, dtype) from `BLOCK_TABLE`,
+  measured on a TPU v5e (`benchmarks/attention_speed.py`); JAX's default 128 is slower than XLA;
 - a `shard_map` over every mesh axis the partitioner still owns, since GSPMD cannot
   split a Pallas call: rows over the batch axes, heads over `tensor`;
 - interpret mode off TPU, so CPU tests run the same kernel.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,24 +39,39 @@ from jaxtyping import Array, Float, Int
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask
 
 LANES = 128  # splash tiles are multiples of the TPU's 128 lanes
-# (seq_len, head_dim, dtype) -> (block_q, block_kv); the largest entry with seq_len <= the
-# sequence applies. Measured on one TPU v5e (docs/profiling.md, benchmarks/attention_speed.py).
-# Forward + backward, causal, 16k tokens, 12 heads (ms): 256/512/1024-square blocks at T=1024: 7.86 / 5.17 /
-# 4.89; T=2048: 12.51 / 6.92 / 6.64; T=4096: 21.97 / 10.85 / 9.68; T=8192: 40.57 / 18.57 / 15.47.
-BLOCK_TABLE: dict[tuple[int, int, str], tuple[int, int]] = {
-    (1024, 64, "bfloat16"): (1024, 1024),
+
+
+class Blocks(NamedTuple):
+    """Splash tiling: query and key/value block sizes, and whether one fused kernel computes
+    the backward pass (dq with dk, dv) instead of two."""
+
+    q: int
+    kv: int
+    fused_backward: bool = True
+
+
+# (seq_len, head_dim, dtype) -> Blocks; the largest entry with seq_len <= the sequence applies.
+# Measured on one TPU v5e (docs/profiling.md, `benchmarks/attention_speed.py --sweep`):
+# forward + backward, causal, 16k tokens, 12 heads (ms), square blocks 256/512/1024 at T=1024:
+# 7.86 / 5.17 / 4.89; T=2048: 12.51 / 6.92 / 6.64; T=4096: 21.97 / 10.85 / 9.68; T=8192: 40.57 /
+# 18.57 / 15.47 (two backward kernels). The fused backward saves its recomputation of the scores.
+BLOCK_TABLE: dict[tuple[int, int, str], Blocks] = {
+    (1024, 64, "bfloat16"): Blocks(1024, 1024, True),
 }
-DEFAULT_BLOCK = 1024
+DEFAULT_BLOCKS = Blocks(1024, 1024, True)
+# Keys stored [heads, head_dim, seq] inside the kernel: measured 3% faster at T=1024, head_dim 64
+# (the attention sublayer forward + backward, 5.56 -> 5.40 ms; docs/measured/attention_layouts.txt).
+KEY_LAYOUT = sk.QKVLayout.SEQ_MINOR
 TENSOR = "tensor"  # the mesh axis heads split over; every other automatic axis takes batch rows
 
 
-def block_sizes(seq_len: int, head_dim: int, dtype) -> tuple[int, int]:
-    """`(block_q, block_kv)` for this shape: the measured table, else 1024, at most the sequence."""
+def block_sizes(seq_len: int, head_dim: int, dtype) -> Blocks:
+    """The tiling for this shape: the measured table, else `DEFAULT_BLOCKS`, blocks at most the sequence."""
     name = jnp.dtype(dtype).name
     rows = [(s, b) for (s, d, dt), b in BLOCK_TABLE.items() if d == head_dim and dt == name and s <= seq_len]
-    bq, bkv = max(rows)[1] if rows else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    blocks = max(rows)[1] if rows else DEFAULT_BLOCKS
     fit = lambda b: math.gcd(min(b, seq_len), seq_len)  # noqa: E731  (a divisor of the sequence)
-    return fit(bq), fit(bkv)
+    return Blocks(fit(blocks.q), fit(blocks.kv), blocks.fused_backward)
 
 
 def supports(mask: Mask, seq_len: int) -> bool:
@@ -82,7 +98,7 @@ def _splash_mask(mask: Mask):
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(kind: str, window: int | None, heads: int, q_len: int, k_len: int, bq: int, bkv: int,
+def _kernel(kind: str, window: int | None, heads: int, q_len: int, k_len: int, blocks: Blocks,
             interpret: bool) -> sk.SplashAttentionKernel:
     shape = (q_len, k_len)
     if kind == "causal":
@@ -91,10 +107,13 @@ def _kernel(kind: str, window: int | None, heads: int, q_len: int, k_len: int, b
         one = sm.LocalMask(shape, window_size=(window - 1, 0), offset=0)
     else:
         one = sm.FullMask(shape)
-    blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    bq, bkv = blocks.q, blocks.kv
+    dq = {} if blocks.fused_backward else dict(block_q_dq=bq, block_kv_dq=bkv)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, use_fused_bwd_kernel=blocks.fused_backward,
+                          k_layout=KEY_LAYOUT, **dq)
     with jax.ensure_compile_time_eval():  # its mask tables are constants, cached across traces
-        return sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=blocks, head_shards=1,
+        return sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
                                   q_seq_shards=1, interpret=interpret)
 
 
@@ -102,8 +121,7 @@ def _local_attention(q, k, v, q_seg, k_seg, *, kind, window, scale):
     """Splash attention on one device's arrays: `[b, t, h, d]` in, out."""
     b, t, h, d = q.shape
     s = k.shape[1]
-    bq, bkv = block_sizes(min(t, s), d, q.dtype)
-    kernel = _kernel(kind, window, h, t, s, bq, bkv, jax.default_backend() != "tpu")
+    kernel = _kernel(kind, window, h, t, s, block_sizes(min(t, s), d, q.dtype), jax.default_backend() != "tpu")
     heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
     q = heads_first(q * jnp.asarray(scale, q.dtype))  # splash takes no scale: pre-scale q (exact for d = 4^n)
     k, v = heads_first(k), heads_first(v)
@@ -177,4 +195,4 @@ def splash_attention(
                            check_vma=False)
     return mapped(q, k, v, q_seg, k_seg)
 
-__all__ = ["splash_attention", "block_sizes", "supports", "in_manual_region"]
+__all__ = ["splash_attention", "Blocks", "block_sizes", "supports", "in_manual_region"]
