@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     p.add_argument("--kernel", default="auto", help="attention kernel (default auto: splash on TPU, cudnn on GPU)")
     p.add_argument("--remat", default=None, help="remat policy (default: the preset's)")
+    p.add_argument("--scan-layers", action="store_true", help="scan the layers (default: unrolled, as the recipe "
+                   "runs models of up to 12 layers on an accelerator)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--mu-dtype", default=None, help="AdamW first-moment dtype, e.g. bf16 (default: the parameters')")
     p.add_argument("--master-weights", action="store_true", help="bf16 parameters, fp32 master weights")
@@ -111,12 +113,12 @@ def main(argv=None) -> int:
               "with a small --preset to check the script.")
         return 0
     overrides = {"attention_kernel": args.kernel} | ({"seq_len": args.seq} if args.seq else {}) \
-        | ({"remat": args.remat} if args.remat else {})
+        | ({"remat": args.remat} if args.remat else {}) | {"scan_layers": args.scan_layers}
     cfg = eqgpt.preset(args.preset, **overrides)
     r = measure(cfg, batch=args.batch, precision=args.precision, steps=args.steps, warmup=args.warmup,
                 mu_dtype=args.mu_dtype, master_weights=args.master_weights, breakdown=args.breakdown)
     print(f"{args.preset} ({r['params'] / 1e6:.0f}M params), batch {args.batch} x {cfg.seq_len}, {args.precision} "
-          f"compute, {args.kernel} attention, remat {cfg.remat}; {device.device_kind}; jax {jax.__version__}; "
+          f"compute, {args.kernel} attention, remat {cfg.remat}, layers {"scanned" if cfg.scan_layers else "unrolled"}; {device.device_kind}; jax {jax.__version__}; "
           f"median of {args.steps} steps")
     gib = lambda b: "n/a (this backend keeps no statistics)" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
     rows = [("step time", f"{r['seconds'] * 1e3:.1f} ms"), ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
