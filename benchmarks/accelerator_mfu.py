@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     r = measure(cfg, batch=args.batch, precision=args.precision, steps=args.steps, warmup=args.warmup,
                 mu_dtype=args.mu_dtype, master_weights=args.master_weights, breakdown=args.breakdown)
     print(f"{args.preset} ({r['params'] / 1e6:.0f}M params), batch {args.batch} x {cfg.seq_len}, {args.precision} "
-          f"compute, {args.kernel} attention, remat {cfg.remat}, layers {"scanned" if cfg.scan_layers else "unrolled"}; {device.device_kind}; jax {jax.__version__}; "
+          f"compute, {args.kernel} attention, remat {cfg.remat}, layers {'scanned' if cfg.scan_layers else 'unrolled'}; {device.device_kind}; jax {jax.__version__}; "
           f"median of {args.steps} steps")
     gib = lambda b: "n/a (this backend keeps no statistics)" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
     rows = [("step time", f"{r['seconds'] * 1e3:.1f} ms"), ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
