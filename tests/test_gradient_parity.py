@@ -1,0 +1,144 @@
+"""The first step's gradients of every strategy, leaf by leaf, against one device.
+
+Each case runs one step of the library's `make_train_step` from the single-device
+model's weights, on one batch with an uneven loss mask (so the loss must be
+normalised by the tokens of all devices), and reads the gradients where the
+optimizer receives them: `capture()` keeps the gradients it is given as its state,
+before and after global-norm clipping. A ZeRO optimizer state is split over `data`
+like any moment, so its global array is the whole gradient however the strategy
+reduced it. The update is `-clipped gradient`, so the new parameters check the
+pull of the updated blocks (ZeRO's all-gather, the pipeline's stage placement).
+
+Errors are measured per leaf relative to the leaf's largest entry (`leaf_error`).
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqgpt
+from eqgpt import nn
+from eqgpt import parallel as par
+from eqgpt.data import Batch
+from eqgpt.parallel.context import ContextConfig
+from eqgpt.train import Strategy, TrainState, make_train_step
+from eqgpt.train.optim import clip_by_global_norm
+from markov import markov_windows
+
+CONFIGS = {
+    "gpt": eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=4, num_heads=8, embed_dim=32),
+    "llama": eqgpt.preset("llama-nano").replace(
+        vocab_size=64, seq_len=32, num_layers=4, num_heads=8, num_kv_heads=4, embed_dim=32, mlp_dim=64),
+    "moe": eqgpt.preset("moe-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=2, seq_len=32),
+}
+ROWS, SEQ = 8, 32
+CLIP = 0.1  # below every case's gradient norm: clipping always acts
+
+
+def capture() -> optax.GradientTransformation:
+    """An optimizer stage that keeps the gradients it is given as its state and passes them on."""
+    return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
+                                        lambda updates, state, params=None: (updates, updates))
+
+
+OPTIMIZER = optax.chain(capture(), clip_by_global_norm(CLIP), capture(), optax.scale(-1.0))
+
+
+def batch() -> Batch:
+    """Eight rows of a Markov chain with an uneven loss mask (devices hold different token counts)."""
+    windows = markov_windows(3, ROWS, SEQ, 64)
+    mask = np.asarray(jax.random.uniform(jax.random.key(4), (ROWS, SEQ)) < np.linspace(0.3, 1.0, ROWS)[:, None])
+    b = Batch.from_windows(windows)
+    return Batch(b.tokens, b.targets, loss_mask=mask.astype(np.float32))
+
+
+@functools.cache
+def initial(name: str):
+    return eqx.filter_jit(lambda k: nn.GPT(CONFIGS[name], key=k))(jax.random.key(0))
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    return {par.path_str(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]}
+
+
+@functools.cache
+def first_step(name: str, strategy: Strategy) -> dict:
+    """One step under `strategy`: loss, grad_norm, the raw and clipped gradients, the new parameters."""
+    model = strategy.place_model(initial(name))
+    state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(0))
+    step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
+    state, metrics = step(state, strategy.batch(batch()))
+    raw, _, clipped, _ = state.opt_state
+    return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+            "raw": flat(raw), "clipped": flat(clipped), "params": flat(state.model)}
+
+
+# Measured floor (fp32, 24 strategies on 8 CPU devices against one): 8.3e-7 (the largest
+# `leaf_error` of any leaf, raw or clipped gradient or new parameter; the loss and grad_norm
+# agree to 1e-7). The tolerance is 6x that; a bug fails by its margin, error / TOL.
+TOL = 5e-6
+
+
+def leaf_error(got: np.ndarray, want: np.ndarray, scale: float) -> float:
+    """Largest difference relative to the leaf's largest entry, or to 1e-3 of the tree's largest
+    where the leaf is smaller (GPT-2's key bias: its exact gradient is zero, its values rounding)."""
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-3 * scale))
+
+
+def errors(got: dict, want: dict) -> dict[str, float]:
+    """Every compared quantity's error: per leaf of the raw and clipped gradients and the new
+    parameters, and the relative error of the loss and grad_norm."""
+    out = {}
+    for kind in ("raw", "clipped", "params"):
+        assert got[kind].keys() == want[kind].keys()
+        scale = max(np.max(np.abs(x)) for x in want[kind].values())
+        out.update({f"{kind} {path}": leaf_error(got[kind][path], want[kind][path], scale) for path in want[kind]})
+    out.update({k: abs(got[k] - want[k]) / want[k] for k in ("loss", "grad_norm")})
+    return out
+
+
+CASES = {
+    "dp": ("gpt", lambda: Strategy.parse("data=8", "dp")),
+    "fsdp": ("gpt", lambda: Strategy.parse("fsdp=8", "fsdp")),
+    "tp": ("gpt", lambda: Strategy.parse("tensor=8", "tp")),
+    "sp": ("llama", lambda: Strategy.parse("data=2,tensor=4", "dp+sp")),
+    "dp+fsdp+tp": ("llama", lambda: Strategy.parse("data=2,fsdp=2,tensor=2", "dp+fsdp+tp")),
+    "manual-dp": ("gpt", lambda: Strategy.parse("data=8", "dp", manual=True)),
+    "manual-tp": ("llama", lambda: Strategy.parse("data=2,tensor=4", "dp+tp", manual=True)),
+    "manual-sp": ("gpt", lambda: Strategy.parse("data=2,tensor=4", "dp+sp", manual=True)),
+    "zero1-auto": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=1)),
+    "zero2-auto": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=2)),
+    "zero1-manual": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=1, manual=True)),
+    "zero2-manual": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=2, manual=True)),
+    "context-ring": ("llama", lambda: Strategy(par.make_mesh("context=4,data=2"), "dp",
+                                               context=ContextConfig("ring", block=4))),
+    "context-allgather": ("gpt", lambda: Strategy(par.make_mesh("context=2,tensor=2,fsdp=2"), "fsdp+tp",
+                                                  context=ContextConfig("allgather", block=4))),
+    "context-ulysses": ("llama", lambda: Strategy(par.make_mesh("context=2,data=4"), "dp",
+                                                  context=ContextConfig("ulysses"))),
+    "pipeline-gpipe": ("gpt", lambda: Strategy.parse("pipeline=4,data=2", "dp", pipeline="gpipe", microbatches=4)),
+    "pipeline-1f1b": ("llama", lambda: Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)),
+    "pipeline-interleaved": ("llama", lambda: Strategy.parse("pipeline=2,data=2,tensor=2", "tp",
+                                                             pipeline="interleaved", microbatches=2)),
+    "pipeline-zero2": ("gpt", lambda: Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2,
+                                                     zero=2)),
+    "expert": ("moe", lambda: Strategy.parse("expert=8", "dp")),
+    "expert-data": ("moe", lambda: Strategy.parse("expert=4,data=2", "dp")),
+    "expert-fsdp-tp": ("moe", lambda: Strategy.parse("expert=2,fsdp=2,tensor=2", "fsdp+tp")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_step_gradients_equal_one_device(case):
+    name, make = CASES[case]
+    want = first_step(name, Strategy())
+    assert want["grad_norm"] > 2 * CLIP  # clipping acts, so the clipped gradients test the global norm
+    err = errors(first_step(name, make()), want)
+    bad = {k: f"{v:.2e} [margin {v / TOL:.3g}x]" for k, v in sorted(err.items(), key=lambda kv: -kv[1]) if v > TOL}
+    assert not bad, f"{case}: {len(bad)} of {len(err)} differ from one device beyond {TOL:g}: {bad}"
