@@ -113,14 +113,36 @@ def _size(shape: str) -> int:
     return 4 * math.prod(int(d) for d in dims.split(",") if d)
 
 
+# The buckets of the GPT-2 test model's 20 gradient arrays at 0.01 MiB (10485 bytes), worked out
+# by hand from their fp32 bytes in tree order: the table (8192) and the position table (4096)
+# overflow together; 4096 + two 256-byte norm arrays fit; each 8192-byte projection takes its
+# 256-byte bias; the output projection also takes the MLP norm's two; the 32768-byte MLP matrices
+# are alone and so is the up bias (1024 + 32768 overflows); the last three (256 + 128 + 128) share.
+HAND_BUCKETS = [
+    ["tok_embed.weight"],
+    ["pos_embed.weight", "blocks.attn_norm.weight", "blocks.attn_norm.bias"],
+    ["blocks.attn.q_proj.weight", "blocks.attn.q_proj.bias"],
+    ["blocks.attn.k_proj.weight", "blocks.attn.k_proj.bias"],
+    ["blocks.attn.v_proj.weight", "blocks.attn.v_proj.bias"],
+    ["blocks.attn.o_proj.weight", "blocks.attn.o_proj.bias", "blocks.mlp_norm.weight", "blocks.mlp_norm.bias"],
+    ["blocks.mlp.up.weight"],
+    ["blocks.mlp.up.bias"],
+    ["blocks.mlp.down.weight"],
+    ["blocks.mlp.down.bias", "norm.weight", "norm.bias"],
+]
+
+
 def test_buckets_cut_the_data_parallel_all_reduces_to_the_documented_count_with_equal_bytes():
     plain, plain_text, _, model = manual_program("data=8", False)
     bucketed, bucketed_text, *_ = manual_program("data=8", False, bucket_mb=0.01)
-    params = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    flat = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
+    names, params = [par.path_str(p) for p, _ in flat], [x for _, x in flat]
     sizes = [("data", 4 * p.size) for p in params]
+    plan = buckets.bucket_plan([s for _, s in sizes], buckets.bucket_bytes_of(0.01))
+    assert [[names[i] for i in b] for b in plan] == HAND_BUCKETS
     before = buckets.all_reduce_count(sizes, None)
     after = buckets.all_reduce_count(sizes, buckets.bucket_bytes_of(0.01))
-    assert (before, after) == (len(params), 10) == (20, 10)  # 20 arrays; see docs/parallelism/dp.md
+    assert (before, after) == (len(names), len(HAND_BUCKETS)) == (20, 10)  # see docs/parallelism/dp.md
     strategy = par.Strategy(par.make_mesh("data=8"), "dp", manual=True, bucket_mb=0.01)
     assert bucket_report(strategy, model) == "gradient all-reduces per step: 20 -> 10 (buckets of at most 0.01 MiB)"
     # The program issues one all-reduce per bucket (XLA:CPU then combines independent ones into one

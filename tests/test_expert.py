@@ -96,10 +96,11 @@ def test_compiled_step_has_four_all_to_alls_per_moe_layer_of_the_analytic_size()
     n, e, layers = 4, config.moe.num_experts, config.num_layers
     assert sorted(r.phase for r in rows) == ["backward", "backward", "forward", "forward"]
     assert all(r.axes == ("expert",) and r.executions == layers for r in rows)  # once per layer of the scan
-    local = e * 1 * model.blocks.mlp.capacity(config.seq_len) * config.embed_dim * 4  # 8 rows over 8 devices
+    capacity = 10  # ceil(capacity factor 1.25 x 32 tokens x top-2 / 8 experts), by hand
+    assert model.blocks.mlp.capacity(config.seq_len) == capacity
+    local = 8 * 1 * capacity * 32 * 4  # [8 experts, 1 row (8 rows over 8 devices), 10 slots, 32 embed] fp32
     assert all(r.bytes == local for r in rows)
-    sent = all_to_all_bytes(num_experts=e, rows=1, capacity=model.blocks.mlp.capacity(config.seq_len),
-                            embed=config.embed_dim, n=n)
+    sent = all_to_all_bytes(num_experts=e, rows=1, capacity=capacity, embed=config.embed_dim, n=n)
     assert sum(r.bytes * r.executions for r in rows) * (n - 1) / n == 4 * layers * sent
 
 
