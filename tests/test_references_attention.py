@@ -14,6 +14,7 @@ import pytest
 import references as ref
 from eqgpt.nn.kernels import get_kernel
 from eqgpt.nn.mask import CausalMask, DocumentMask, Mask, SlidingWindowMask
+from helpers import assert_within
 
 B, T, H, G, D = 2, 20, 4, 2, 8  # 20 keys: not a multiple of the blockwise blocks below
 TOL = 1e-5
@@ -76,9 +77,9 @@ def test_kernel_matches_definition(name, case):
     out, grads = run(name, mask, seg)
     q, k, v, d_out = (np.asarray(a) for a in inputs())
     m = ref_mask(np.arange(T), None if seg is None else np.asarray(seg))
-    assert rel_err(out, ref.attention(q, k, v, m)) < TOL
+    assert_within(rel_err(out, ref.attention(q, k, v, m)), TOL)
     for got, want in zip(grads, ref.attention_grads(q, k, v, m, d_out), strict=True):
-        assert rel_err(got, want) < TOL
+        assert_within(rel_err(got, want), TOL)
 
 
 @pytest.mark.parametrize("name", ["reference", "blockwise"])
@@ -86,9 +87,9 @@ def test_multi_query(name, kv_heads=1):
     out, grads = run(name, CausalMask(), kv_heads=kv_heads)
     q, k, v, d_out = (np.asarray(a) for a in inputs(kv_heads=kv_heads))
     m = ref.causal_mask(np.arange(T), np.arange(T))
-    assert rel_err(out, ref.attention(q, k, v, m)) < TOL
+    assert_within(rel_err(out, ref.attention(q, k, v, m)), TOL)
     for got, want in zip(grads, ref.attention_grads(q, k, v, m, d_out), strict=True):
-        assert rel_err(got, want) < TOL
+        assert_within(rel_err(got, want), TOL)
 
 
 @pytest.mark.parametrize("name", ["reference", "blockwise"])
@@ -99,7 +100,7 @@ def test_queries_behind_keys_use_global_positions(name):
     q_pos, k_pos = jnp.arange(T - 6, T), jnp.arange(T)
     out = kernel(name)(q, k, v, mask=SlidingWindowMask(WINDOW), q_pos=q_pos, k_pos=k_pos)
     want = ref.attention(np.asarray(q), np.asarray(k), np.asarray(v), ref.sliding_window_mask(q_pos, k_pos, WINDOW))
-    assert rel_err(out, want) < TOL
+    assert_within(rel_err(out, want), TOL)
 
 
 class WiderWindow(Mask):

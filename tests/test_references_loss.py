@@ -19,6 +19,7 @@ from eqgpt.data import Batch
 from eqgpt.nn.loss import chunked_cross_entropy, head_loss_sums
 from eqgpt.parallel.zero import manual_zero_grad_fn
 from eqgpt.precision import Policy
+from helpers import assert_within
 
 B, T, D, V = 2, 13, 8, 11  # 13 positions: chunks of 4 pad the last one
 TOL = 1e-5
@@ -58,10 +59,12 @@ def test_cross_entropy_with_z_loss(loss_fn):
     h64, w64 = np.asarray(hidden, np.float64), np.asarray(weight, np.float64)
     logits = h64 @ w64.T
     want, nll, z = ref.cross_entropy(logits, targets, mask, Z)
-    assert rel_err(loss, want) < TOL and rel_err(aux["nll"], nll) < TOL and rel_err(aux["z_loss"], z) < TOL
+    assert_within(rel_err(loss, want), TOL, "loss")
+    assert_within(rel_err(aux["nll"], nll), TOL, "nll")
+    assert_within(rel_err(aux["z_loss"], z), TOL, "z-loss")
     d_logits = ref.cross_entropy_logit_grad(logits, targets, mask, Z)
-    assert rel_err(d_hidden, d_logits @ w64) < TOL
-    assert rel_err(d_weight, np.einsum("btv,btd->vd", d_logits, h64)) < TOL
+    assert_within(rel_err(d_hidden, d_logits @ w64), TOL)
+    assert_within(rel_err(d_weight, np.einsum("btv,btd->vd", d_logits, h64)), TOL)
 
 
 CONFIG = eqgpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=1, num_heads=2, embed_dim=16)
@@ -76,7 +79,9 @@ def test_lm_loss_z_loss():
         lambda m: (nn.lm_loss(m, tokens, targets, loss_mask=mask, z_loss=Z), m.features(tokens)))(model)
     logits = np.asarray(hidden, np.float64) @ np.asarray(model.head_matrix(), np.float64).T
     want, nll, z = ref.cross_entropy(logits, targets, mask, Z)
-    assert rel_err(loss, want) < TOL and rel_err(aux["nll"], nll) < TOL and rel_err(aux["z_loss"], z) < TOL
+    assert_within(rel_err(loss, want), TOL, "loss")
+    assert_within(rel_err(aux["nll"], nll), TOL, "nll")
+    assert_within(rel_err(aux["z_loss"], z), TOL, "z-loss")
 
 
 class UnfusedHead(eqx.Module):
