@@ -30,6 +30,11 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+def assert_within(err: float, tol: float, what: str = "error") -> None:
+    """Fail when `err` exceeds `tol`, saying by what margin (`err / tol`: the mutation catalogue reads it)."""
+    assert err <= tol, f"{what} {err:.3g} above tolerance {tol:g} [margin {err / tol:.3g}x]"
+
+
 def max_abs(tree):
     return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
 
