@@ -19,8 +19,10 @@ def n_params(model):
 
 
 def test_gpt2_small_has_124m_parameters():
-    model = eqx.filter_eval_shape(lambda: nn.GPT(eqgpt.preset("gpt2-small"), key=jax.random.key(0)))
-    assert n_params(model) == 124_439_808
+    """GPT-2's count without padding; the preset's 47 padding rows of the token table add 47 x 768."""
+    count = lambda c: n_params(eqx.filter_eval_shape(lambda: nn.GPT(c, key=jax.random.key(0))))  # noqa: E731
+    assert count(eqgpt.preset("gpt2-small", vocab_pad_multiple=1)) == 124_439_808
+    assert count(eqgpt.preset("gpt2-small")) == 124_439_808 + 47 * 768 == 124_475_904
 
 
 @pytest.mark.parametrize("name", sorted(eqgpt.PRESETS))

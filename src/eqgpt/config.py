@@ -61,7 +61,12 @@ class GPTConfig:
 
     **Fields:**
 
-    - `vocab_size`, `seq_len`: vocabulary size and the longest sequence (position table).
+    - `vocab_size`, `seq_len`: vocabulary size (the tokenizer's) and the longest sequence
+      (position table).
+    - `vocab_pad_multiple`: the token table and the head get `padded_vocab_size` rows, the
+      vocabulary rounded up to this multiple (GPT-2's 50257 -> 50304 at 128), for
+      aligned matmuls and tensor-parallel splits. The extra ids never occur: their logits
+      are -inf (`GPT.logits`), so the loss and sampling never see them.
     - `num_layers`, `num_heads`, `num_kv_heads`, `embed_dim`, `mlp_dim`: shape;
       `num_kv_heads=None` means MHA, `mlp_dim=None` means `4 * embed_dim`.
     - `norm`, `mlp`, `position`: "layernorm"/"rmsnorm", "gelu"/"swiglu", "learned"/"rope".
@@ -80,6 +85,7 @@ class GPTConfig:
     """
 
     vocab_size: int = 256
+    vocab_pad_multiple: int = 1
     seq_len: int = 256
     num_layers: int = 4
     num_heads: int = 4
@@ -107,7 +113,7 @@ class GPTConfig:
         if self.moe is not None and self.num_layers % self.moe.every:
             raise ValueError(f"GPTConfig.moe.every ({self.moe.every}) must divide num_layers ({self.num_layers}): "
                              "the layers repeat in groups of `every` (the last of each is MoE).")
-        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "embed_dim"):
+        for name in ("vocab_size", "vocab_pad_multiple", "seq_len", "num_layers", "num_heads", "embed_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}.")
         if self.embed_dim % self.num_heads:
@@ -124,6 +130,11 @@ class GPTConfig:
             raise ValueError(f"RoPE needs an even head_dim; got {self.head_dim}.")
         if self.mask == "sliding" and not self.window:
             raise ValueError('mask="sliding" needs window=N (keys per query).')
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the token table and the head: `vocab_size` rounded up to `vocab_pad_multiple`."""
+        return -(-self.vocab_size // self.vocab_pad_multiple) * self.vocab_pad_multiple
 
     @property
     def kv_heads(self) -> int:
@@ -149,7 +160,7 @@ class GPTConfig:
         return dataclasses.replace(self, **changes)
 
 
-_GPT2 = dict(vocab_size=50257, seq_len=1024, norm="layernorm", mlp="gelu", position="learned",
+_GPT2 = dict(vocab_size=50257, vocab_pad_multiple=128, seq_len=1024, norm="layernorm", mlp="gelu", position="learned",
              use_bias=True, tie_embeddings=True)
 _LLAMA = dict(norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", position="rope", use_bias=False,
               tie_embeddings=False)
@@ -164,7 +175,7 @@ PRESETS: dict[str, GPTConfig] = {
     # 4x its feed-forward parameters in all. Trains on the default corpus on CPU.
     "moe-nano": GPTConfig(vocab_size=256, seq_len=128, num_layers=4, num_heads=4, embed_dim=128,
                           moe=MoEConfig(num_experts=8, top_k=2, expert_dim=256)),
-    # GPT-2 (Radford et al. 2019), with its 50257-token vocabulary.
+    # GPT-2 (Radford et al. 2019), with its 50257-token vocabulary (in 50304 rows, as nanoGPT).
     "gpt2-small": GPTConfig(num_layers=12, num_heads=12, embed_dim=768, **_GPT2),
     "gpt2-medium": GPTConfig(num_layers=24, num_heads=16, embed_dim=1024, **_GPT2),
     "gpt2-large": GPTConfig(num_layers=36, num_heads=20, embed_dim=1280, **_GPT2),

@@ -76,7 +76,9 @@ class TensorMap:
     layer, stacked on eqgpt's leading `layers` axis), `part` (`(start, stop)` along the
     HF tensor's last axis: the slice of a fused tensor), `transpose` (HF stores the
     transpose: `nn.Linear`'s `[out, in]`), `experts` (one HF tensor per expert too,
-    `{j}` in the name, stacked on eqgpt's `experts` axis after the layers).
+    `{j}` in the name, stacked on eqgpt's `experts` axis after the layers), `vocab_axis`
+    (eqgpt's axis of the vocabulary, after the stacked ones: `padded_vocab_size` long in
+    eqgpt, `vocab_size` in the file; the padding rows load as zeros and are not exported).
     """
 
     eqgpt: str
@@ -85,6 +87,7 @@ class TensorMap:
     part: tuple[int, int] | None = None
     transpose: bool = False
     experts: bool = False
+    vocab_axis: int | None = None
 
     @property
     def stacked(self) -> int:
@@ -101,7 +104,7 @@ class TensorMap:
 def gpt2_layout(c: GPTConfig) -> list[TensorMap]:
     """The GPT-2 names of every array of a GPT-2-shaped `GPTConfig` (without `transformer.`)."""
     d = c.embed_dim
-    out = [TensorMap("tok_embed.weight", "wte.weight"), TensorMap("pos_embed.weight", "wpe.weight")]
+    out = [TensorMap("tok_embed.weight", "wte.weight", vocab_axis=0), TensorMap("pos_embed.weight", "wpe.weight")]
     for eq, hf in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2"), ("attn.o_proj", "attn.c_proj"),
                    ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
         out += [TensorMap(f"blocks.{eq}.{w}", f"h.{{i}}.{hf}.{w}", layered=True) for w in ("weight", "bias")]
@@ -110,13 +113,14 @@ def gpt2_layout(c: GPTConfig) -> list[TensorMap]:
                           part=(j * d, (j + 1) * d)) for w in ("weight", "bias")]
     out += [TensorMap("norm.weight", "ln_f.weight"), TensorMap("norm.bias", "ln_f.bias")]
     if not c.tie_embeddings:
-        out.append(TensorMap("head.weight", "lm_head.weight", transpose=True))
+        out.append(TensorMap("head.weight", "lm_head.weight", transpose=True, vocab_axis=1))
     return out
 
 
 def llama_layout(c: GPTConfig) -> list[TensorMap]:
     """The Llama names of every array of a Llama-shaped `GPTConfig`."""
-    out = [TensorMap("tok_embed.weight", "model.embed_tokens.weight"), TensorMap("norm.weight", "model.norm.weight")]
+    out = [TensorMap("tok_embed.weight", "model.embed_tokens.weight", vocab_axis=0),
+           TensorMap("norm.weight", "model.norm.weight")]
     pairs = [("attn_norm.weight", "input_layernorm.weight", False),
              ("mlp_norm.weight", "post_attention_layernorm.weight", False)]
     pairs += [(f"attn.{p}.weight", f"self_attn.{p}.weight", True) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -124,7 +128,7 @@ def llama_layout(c: GPTConfig) -> list[TensorMap]:
                                                                                  ("down", "down"))]
     out += [TensorMap(f"blocks.{eq}", f"model.layers.{{i}}.{hf}", layered=True, transpose=t) for eq, hf, t in pairs]
     if not c.tie_embeddings:
-        out.append(TensorMap("head.weight", "lm_head.weight", transpose=True))
+        out.append(TensorMap("head.weight", "lm_head.weight", transpose=True, vocab_axis=1))
     return out
 
 
@@ -383,6 +387,8 @@ def _expected(c: GPTConfig, family: Family) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for t in _layout(c, family):
         shape = shapes[t.eqgpt][t.stacked:]
+        if t.vocab_axis is not None:
+            shape = tuple(c.vocab_size if a == t.vocab_axis else n for a, n in enumerate(shape))
         if t.transpose:
             shape = shape[::-1]
         if t.part is not None:
@@ -426,18 +432,17 @@ def check_files(files: SafetensorsFiles, c: GPTConfig, family: Family) -> str:
 
 
 def _config_mismatch(want: GPTConfig, got: GPTConfig) -> list[str]:
-    skip = {"attention_kernel", "remat", "init_std", "window"}
+    skip = {"attention_kernel", "remat", "init_std", "window", "vocab_pad_multiple"}
     return [f"{f.name}: {getattr(got, f.name)!r} in the file, {getattr(want, f.name)!r} asked for"
             for f in dataclasses.fields(GPTConfig)
             if f.name not in skip and getattr(got, f.name) != getattr(want, f.name)]
 
 
-def _reader(files: SafetensorsFiles, t: TensorMap, prefix: str, dtype) -> Callable[[tuple], np.ndarray]:
-    """`index -> array`: the eqgpt array's slice `index`, read slice by slice from the HF tensors."""
+def _reader(files: SafetensorsFiles, t: TensorMap, prefix: str, dtype, vocab: int) -> Callable[[tuple], np.ndarray]:
+    """`index -> array`: the eqgpt array's slice `index`, read slice by slice from the HF tensors
+    (a padded vocabulary's rows from `vocab` on are zeros)."""
 
-    def hf_index(idx: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
-        idx = tuple(idx) + (slice(None),) * (len(shape) - len(idx))
-        idx = tuple(slice(*s.indices(n)) for s, n in zip(idx, shape, strict=True))
+    def hf_index(idx: tuple[slice, ...]) -> tuple[slice, ...]:
         if t.transpose:
             idx = idx[::-1]
         if t.part is not None:  # the eqgpt array is columns part[0]:part[1] of the HF tensor
@@ -446,12 +451,21 @@ def _reader(files: SafetensorsFiles, t: TensorMap, prefix: str, dtype) -> Callab
         return idx
 
     def read_one(name: str, idx: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
-        x = files.read(name, hf_index(idx, shape))
-        return np.asarray(x.T if t.transpose else x, dtype)
+        idx = tuple(idx) + (slice(None),) * (len(shape) - len(idx))
+        idx = tuple(slice(*s.indices(n)) for s, n in zip(idx, shape, strict=True))
+        a = t.vocab_axis
+        if a is None or idx[a].stop <= vocab:
+            x = files.read(name, hf_index(idx))
+            return np.asarray(x.T if t.transpose else x, dtype)
+        out = np.zeros([s.stop - s.start for s in idx], dtype)  # the padding rows
+        if idx[a].start < vocab:
+            real = (*idx[:a], slice(idx[a].start, vocab), *idx[a + 1:])
+            out[(slice(None),) * a + (slice(0, vocab - idx[a].start),)] = read_one(name, real, shape)
+        return out
 
     def callback(index: tuple[slice, ...], shape: tuple[int, ...], keys: tuple[int, ...] = ()) -> np.ndarray:
         if len(keys) == t.stacked:  # one HF tensor (its layer and expert, if any, are `keys`)
-            return read_one(prefix + t.hf.format(**dict(zip("ij", keys))), tuple(index), shape)
+            return read_one(prefix + t.hf.format(**dict(zip("ij", keys, strict=False))), tuple(index), shape)
         rows = range(shape[0])[index[0] if index else slice(None)]
         return np.stack([callback(tuple(index[1:]), shape[1:], (*keys, k)) for k in rows])
 
@@ -486,10 +500,12 @@ def load_hf(
     - `strategy`: an `eqgpt.parallel.Strategy` to load onto: every array is created in
       its sharding, each device reading only its slice. `None`: the first device.
     - `dtype`: the parameters' dtype (default fp32, whatever the file holds).
-    - `config`: the `GPTConfig` the caller expects; a file that differs raises.
+    - `config`: the `GPTConfig` the caller expects; a file that differs raises. Its
+      `vocab_pad_multiple` is kept: the padding rows of the token table and head are zeros.
     - `family`: `"gpt2"` or `"llama"` to insist on one (default: the file's `model_type`).
 
-    **Returns:** `(config, model)`; the config's `attention_kernel` is `config`'s when given.
+    **Returns:** `(config, model)`; the config's `attention_kernel`, `remat` and
+    `vocab_pad_multiple` are `config`'s when given.
     """
     files = SafetensorsFiles(path)
     got, fam = config_from_hf(files.config, str(files.directory / CONFIG_FILE))
@@ -501,7 +517,8 @@ def load_hf(
         if diff:
             raise ValueError(f"{files.directory / CONFIG_FILE} does not match the config asked for: "
                              + "; ".join(diff) + ". Load without config= to take the file's, or fix the config.")
-        got = got.replace(attention_kernel=config.attention_kernel, remat=config.remat)
+        got = got.replace(attention_kernel=config.attention_kernel, remat=config.remat,
+                          vocab_pad_multiple=config.vocab_pad_multiple)
     prefix = check_files(files, got, fam)  # everything checked: now allocate
     abstract = eqx.filter_eval_shape(GPT, got, key=jax.random.key(0))
     shardings = _target_shardings(abstract, strategy)
@@ -512,7 +529,7 @@ def load_hf(
         if not _is_array(leaf):
             return leaf
         name = path_str(path_keys)
-        read = _reader(files, maps[name], prefix, np.dtype(dtype))
+        read = _reader(files, maps[name], prefix, np.dtype(dtype), got.vocab_size)
         shape = tuple(leaf.shape)
         return jax.make_array_from_callback(shape, sharding, lambda idx: read(idx, shape))
 
@@ -560,6 +577,8 @@ def hf_tensors(model: GPT, family: Family | None = None, dtype=np.float32) -> di
     prefix = "transformer." if family == "gpt2" else ""
     for t in _layout(c, family):
         x = arrays[t.eqgpt]
+        if t.vocab_axis is not None:  # a padded vocabulary's extra rows are not exported
+            x = np.take(x, np.arange(c.vocab_size), axis=t.stacked + t.vocab_axis)
         for keys, hf_name in t.names(c):
             part = x[keys]
             part = part.T if t.transpose else part

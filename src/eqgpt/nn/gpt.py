@@ -21,6 +21,7 @@ from eqgpt.nn.axes import NoConstraint
 from eqgpt.nn.block import Block, LayerGroup
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear
+from eqgpt.nn.loss import mask_padded_vocab
 from eqgpt.nn.mask import make_mask
 from eqgpt.nn.mlp import MLP, SwiGLU
 from eqgpt.nn.moe import MoE, MoEStats
@@ -97,7 +98,8 @@ class GPT(eqx.Module):
         c = config
         block_factory = make_block if block_factory is None else block_factory
         kt, kp, kb, kh = jax.random.split(key, 4)
-        self.tok_embed = Embedding(c.vocab_size, c.embed_dim, axes=("vocab", "embed"), init_std=c.init_std, key=kt)
+        self.tok_embed = Embedding(c.padded_vocab_size, c.embed_dim, axes=("vocab", "embed"), init_std=c.init_std,
+                                   key=kt)
         self.pos_embed = (
             Embedding(c.seq_len, c.embed_dim, axes=(None, "embed"), init_std=0.01, key=kp)
             if c.position == "learned" else None
@@ -107,7 +109,8 @@ class GPT(eqx.Module):
         self.norm = make_norm(c.norm, c.embed_dim, eps=c.norm_eps, use_bias=c.use_bias)
         self.head = (
             None if c.tie_embeddings
-            else Linear(c.embed_dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, init_std=c.init_std, key=kh)
+            else Linear(c.embed_dim, c.padded_vocab_size, axes=("embed", "vocab"), use_bias=False,
+                        init_std=c.init_std, key=kh)
         )
         self.shard = NoConstraint()
         self.config = c
@@ -208,14 +211,25 @@ class GPT(eqx.Module):
         return self.norm(x), stats
 
     def head_matrix(self) -> Float[Array, "vocab embed"]:
-        """The output head as `[vocab, embed]`: the token table when tied, else the head's weight
-        transposed (`eqgpt.nn.lm_loss` fuses it with the loss)."""
+        """The output head as `[padded_vocab, embed]`: the token table when tied, else the head's
+        weight transposed (`eqgpt.nn.lm_loss` fuses it with the loss, masking the padding rows)."""
         return self.tok_embed.weight if self.head is None else self.head.weight.T
 
+    def head_logits(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
+        """The output head (tied to the token table unless the model has its own), over the
+        padded vocabulary: the padding ids' logits are -inf (`GPTConfig.vocab_pad_multiple`).
+        Under manual tensor parallelism, this device's slice of the vocabulary."""
+        head = self.tok_embed if self.head is None else self.head
+        out = head.attend(h) if self.head is None else head(h)
+        c = self.config
+        if c.padded_vocab_size == c.vocab_size:
+            return out
+        start = head.vocab_start() if hasattr(head, "vocab_start") else 0  # a tensor-parallel slice's first id
+        return mask_padded_vocab(out, c.vocab_size, start)
+
     def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
-        """The output head (tied to the token table unless the model has its own)."""
-        out = self.tok_embed.attend(h) if self.head is None else self.head(h)
-        return self.shard(out, ("batch", "inner_seq", "vocab"))
+        """`head_logits`, with the activations' layout named."""
+        return self.shard(self.head_logits(h), ("batch", "inner_seq", "vocab"))
 
     def __call__(
         self,
@@ -228,11 +242,14 @@ class GPT(eqx.Module):
         """**Arguments:** `tokens`, optional global `positions`, `segment_ids` and
         per-row `doc_positions` (see `features`).
 
-        **Returns:** next-token logits. For training use `eqgpt.nn.lm_loss`, which
-        never materialises all the logits at once.
+        **Returns:** next-token logits `[batch, seq, vocab_size]` (a padded vocabulary's extra
+        columns dropped). For training use `eqgpt.nn.lm_loss`, which never materialises all
+        the logits at once.
         """
-        return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids,
-                                         doc_positions=doc_positions))
+        out = self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids,
+                                        doc_positions=doc_positions))
+        v = self.config.vocab_size
+        return out if out.shape[-1] == v else out[..., :v]
 
     def init_cache(self, batch: int, max_len: int | None = None, dtype=jnp.float32) -> KVCache:
         """An empty KV cache for every layer: arrays `[layers, batch, max_len, kv_heads, head_dim]`."""
@@ -245,7 +262,8 @@ class GPT(eqx.Module):
     def decode(
         self, tokens: Int[Array, "batch new"], cache: KVCache, index: Int[Array, ""] | int
     ) -> tuple[Float[Array, "batch new vocab"], KVCache]:
-        """Logits for `tokens` at positions `index..`, attending to the cache; the updated cache."""
+        """Logits for `tokens` at positions `index..` (over the padded vocabulary, padding at -inf),
+        attending to the cache; the updated cache."""
         index = jnp.asarray(index, jnp.int32)
         positions = index + jnp.arange(tokens.shape[1])
         x = self.embed(tokens, positions)

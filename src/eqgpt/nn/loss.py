@@ -16,6 +16,18 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 
+def mask_padded_vocab(
+    logits: Float[Array, "*batch vocab"], vocab_size: int, start: Int[Array, ""] | int = 0
+) -> Float[Array, "*batch vocab"]:
+    """`logits` with the columns of ids `>= vocab_size` (a padded vocabulary's extra rows) at
+    -inf, so softmax, the loss and sampling give them nothing and no gradient reaches them.
+    `start` is the id of the first column (a tensor-parallel shard's offset)."""
+    if isinstance(start, int) and start + logits.shape[-1] <= vocab_size:
+        return logits
+    ids = start + jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.where(ids < vocab_size, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
 def dense_cross_entropy(
     logits: Float[Array, "*batch vocab"], targets: Int[Array, "*batch"]
 ) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
@@ -75,13 +87,16 @@ def head_loss_sums(
     loss_mask: Float[Array, "batch seq"] | None = None,
     chunk_size: int = 128,
     z_loss: float = 0.0,
+    vocab_size: int | None = None,
 ) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]]:
     """The output head `hidden @ weight.T` and its cross-entropy, gradients made in the same pass.
 
     One chunk of positions at a time (as `chunked_loss_sums`), each chunk's logits are
     computed once, in fp32 from the inputs' dtype (`preferred_element_type`), and turned
     into the loss *and* into the gradients of `hidden` and `weight`; the backward pass
-    only scales them. So the logits are never recomputed and never held whole.
+    only scales them. So the logits are never recomputed and never held whole. With
+    `vocab_size` below `weight`'s rows, the rest are padding (`mask_padded_vocab`): they get
+    no probability and exactly zero gradient.
 
     **Returns:** `(total, (nll_sum, z_sum, count))` with `total = nll_sum + z_loss * z_sum`
     (masked sums over positions), differentiable in `hidden` and `weight`; the second
@@ -90,7 +105,8 @@ def head_loss_sums(
     with jax.named_scope("loss"):
         b, t, _ = hidden.shape
         mask = jnp.ones((b, t), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
-        total, (nll, z) = _fused_head_loss(hidden, weight, targets, mask, min(chunk_size, t), float(z_loss))
+        vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
+        total, (nll, z) = _fused_head_loss(hidden, weight, targets, mask, min(chunk_size, t), float(z_loss), vocab)
         stats = jax.lax.stop_gradient((nll, z, jnp.sum(mask)))
         return total, stats
 
@@ -108,20 +124,21 @@ def _split_chunks(hidden, targets, mask, c):
     return split(hidden), split(targets), split(mask), pad
 
 
-def _head_logits(h, weight, y):
-    """One chunk's fp32 logits (from `h`'s dtype), their logsumexp and the NLL of `y`."""
-    logits = jnp.einsum("bcd,vd->bcv", h, weight, preferred_element_type=jnp.float32)
+def _head_logits(h, weight, y, vocab):
+    """One chunk's fp32 logits (from `h`'s dtype; ids from `vocab` on at -inf), their logsumexp
+    and the NLL of `y`."""
+    logits = mask_padded_vocab(jnp.einsum("bcd,vd->bcv", h, weight, preferred_element_type=jnp.float32), vocab)
     lse = jax.nn.logsumexp(logits, axis=-1)
     return logits, lse, lse - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
 
 
-def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
+def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight, vocab):
     hs, ys, ms, pad = _split_chunks(hidden, targets, mask, c)
     f32 = jnp.float32
 
     def chunk(d_weight, xs):
         h, y, m = xs
-        logits, lse, nll = _head_logits(h, weight, y)
+        logits, lse, nll = _head_logits(h, weight, y, vocab)
         probs = jnp.exp(logits - lse[..., None])
         # d(nll + z_weight * lse^2)/d logits = softmax - onehot + 2 z_weight lse softmax, per counted position
         d_logits = probs * (1.0 + 2.0 * z_weight * lse)[..., None] * m[..., None]
@@ -144,14 +161,14 @@ def _fused_head_loss_fwd(hidden, weight, targets, mask, c, z_weight):
     return (nll + z_weight * z, (nll, z)), (d_h, d_weight.astype(weight.dtype), targets, mask)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_head_loss(hidden, weight, targets, mask, c, z_weight):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_head_loss(hidden, weight, targets, mask, c, z_weight, vocab):
     """Without differentiation (evaluation): the loss alone, one matmul per chunk."""
     hs, ys, ms, _ = _split_chunks(hidden, targets, mask, c)
 
     def chunk(_, xs):
         h, y, m = xs
-        _, lse, nll = _head_logits(h, weight, y)
+        _, lse, nll = _head_logits(h, weight, y, vocab)
         return None, (jnp.sum(nll * m), jnp.sum(jnp.square(lse) * m))
 
     _, (nll, z) = jax.lax.scan(chunk, None, (hs, ys, ms))
@@ -159,7 +176,7 @@ def _fused_head_loss(hidden, weight, targets, mask, c, z_weight):
     return nll + z_weight * z, (nll, z)
 
 
-def _fused_head_loss_bwd(c, z_weight, res, cotangents):
+def _fused_head_loss_bwd(c, z_weight, vocab, res, cotangents):
     d_h, d_weight, targets, mask = res
     g = cotangents[0]  # the statistics carry no gradient (head_loss_sums stops it)
     scale = lambda x: (x.astype(jnp.float32) * g).astype(x.dtype)  # noqa: E731
@@ -225,8 +242,8 @@ def lm_loss(
         hidden, stats = model.features_and_stats(tokens, segment_ids=segment_ids, **extra)
     head = getattr(model, "head_matrix", None)
     if head is not None:  # the fused head: logits once, gradients in the same pass
-        total, (nll, z, count) = head_loss_sums(hidden, head(), targets, loss_mask=loss_mask,
-                                                chunk_size=chunk_size, z_loss=z_loss)
+        total, (nll, z, count) = head_loss_sums(hidden, head(), targets, loss_mask=loss_mask, chunk_size=chunk_size,
+                                                z_loss=z_loss, vocab_size=model.config.vocab_size)
         count = jnp.maximum(count, 1.0)
         loss, aux = total / count, {"nll": nll / count, "z_loss": z / count}
     else:

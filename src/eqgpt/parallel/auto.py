@@ -432,7 +432,7 @@ def check_divisibility(
     sizes = {
         "batch": batch_size, "seq": seq_len, "inner_seq": seq_len, "embed": c.embed_dim,
         "heads": c.num_heads * c.head_dim, "kv_heads": c.kv_heads * c.head_dim,
-        "mlp": c.hidden_dim, "vocab": c.vocab_size, "layers": c.num_layers, "head_dim": c.head_dim,
+        "mlp": c.hidden_dim, "vocab": c.padded_vocab_size, "layers": c.num_layers, "head_dim": c.head_dim,
     }
     counts = {"heads": ("heads", c.num_heads), "kv_heads": ("kv heads", c.kv_heads)}
     if seq_len > c.seq_len:

@@ -167,6 +167,10 @@ class ColumnParallelLinear(eqx.Module):
     where: str = eqx.field(static=True, default="")
     seq_len: int | None = eqx.field(static=True, default=None)
 
+    def vocab_start(self) -> Int[Array, ""]:
+        """First output column this device holds (its first vocabulary id, for an output head)."""
+        return axis_index(self.axis) * self.linear.weight.shape[-1]
+
     def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch out_shard"]:
         """**Arguments:** `x`, whole. **Returns:** this device's output columns."""
         _check_whole_sequence(x, self.seq_len, self.where)
@@ -389,7 +393,7 @@ def _is_vocab_embedding(m) -> bool:
 
 _WHAT = {"heads": "attention width (heads)", "kv_heads": "kv width (kv heads)", "mlp": "MLP width",
          "vocab": "vocabulary"}
-_FIX = {"mlp": "choose mlp_dim (hidden width) divisible by {size}", "vocab": "pad vocab_size to a multiple of {size}"}
+_FIX = {"mlp": "choose mlp_dim (hidden width) divisible by {size}", "vocab": "set vocab_pad_multiple to a multiple of {size}"}
 
 
 def check_tensor_parallel(module: PyTree, size: int) -> None:

@@ -203,7 +203,7 @@ def estimate(
     tokens = rows * seq / ctx
     batch_bytes = int(2 * 4 * rows * (m if strategy.pipeline is not None else 1) * seq)
 
-    d, f, h, v = config.embed_dim, config.hidden_dim / tp, config.num_heads / tp, config.vocab_size / tp
+    d, f, h, v = config.embed_dim, config.hidden_dim / tp, config.num_heads / tp, config.padded_vocab_size / tp
     sp = strategy.sequence_parallel if mesh is not None else False
     d_saved = d / tp if sp else d
     sd, sf, ss = REMAT_SAVED.get(remat, REMAT_SAVED["dots"])

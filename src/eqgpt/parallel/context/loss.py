@@ -57,10 +57,6 @@ def context_rules(base: str | Rules = "dp", *, axis: str = "context") -> Rules:
     return rules.merge(cp).update(name=f"{rules.name}+cp")
 
 
-def _head(model) -> Any:
-    return model.tok_embed if model.head is None else model.head
-
-
 def _fold(x: Array, size: int) -> Array:
     """`[b, T, ...]` -> `[size * b, T / size, ...]`, shard-major: device `i`'s positions become rows."""
     return rearrange(x, "b (n t) ... -> (n b) t ...", n=size)
@@ -86,7 +82,8 @@ def sharded_cross_entropy(
     row dimension split over `(axis, *batch_axes)`: a relabelling, no data moves)
     and the scan runs over the local `T/n` positions. The mean is over all tokens.
 
-    **Arguments:** `head`, the output layer (a tied `Embedding` or a `Linear`);
+    **Arguments:** `head`, the output layer (a tied `Embedding`, a `Linear`, or any function
+    of hidden states, such as `GPT.head_logits`, which masks a padded vocabulary);
     `hidden`, `targets`, `loss_mask` with the sequence split over `axis` of `mesh`
     and the batch over `batch_axes`; `chunk_size`, `z_loss` as `chunked_cross_entropy`.
 
@@ -139,7 +136,7 @@ def context_loss_fn(
         hidden = model.features(lm["tokens"], positions=lm["positions"], segment_ids=lm.get("segment_ids"),
                                 **extra)
         return sharded_cross_entropy(
-            _head(model), hidden, lm["targets"], mesh=mesh, loss_mask=lm.get("loss_mask"),
+            model.head_logits, hidden, lm["targets"], mesh=mesh, loss_mask=lm.get("loss_mask"),
             axis=axis, chunk_size=chunk_size, z_loss=z_loss,
         )
 
