@@ -83,6 +83,9 @@ def test_padded_size_and_gpt2_presets():
     assert abstract.tok_embed.weight.shape == (50304, 768)
     with pytest.raises(ValueError, match="vocab_pad_multiple must be positive"):
         eqgpt.GPTConfig(vocab_pad_multiple=0)
+    # a checkpoint's architecture: unpadded as before the field existed (resumable), padded named
+    assert "vocab_pad_multiple" not in eqgpt.preset("nano").architecture()
+    assert eqgpt.preset("gpt2-small").architecture()["vocab_pad_multiple"] == 128
 
 
 class UnfusedHead(eqx.Module):

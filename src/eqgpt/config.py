@@ -151,8 +151,10 @@ class GPTConfig:
     def architecture(self) -> dict:
         """The fields that fix the parameters and the function they compute: every field but
         how the layers run (`attention_kernel`, `remat`, `scan_layers`), which a run may
-        change when it resumes from a checkpoint."""
-        how = ("attention_kernel", "remat", "scan_layers")
+        change when it resumes from a checkpoint; `vocab_pad_multiple` only when it pads."""
+        how = {"attention_kernel", "remat", "scan_layers"}
+        if self.vocab_pad_multiple == 1:  # unpadded: as checkpoints written before the field, resumable
+            how.add("vocab_pad_multiple")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in how}
 
     def replace(self, **changes) -> GPTConfig:
