@@ -126,14 +126,17 @@ def test_loss_and_gradients_equal_the_unpadded_model(config):
     np.testing.assert_allclose(np.asarray(logits_p), np.asarray(logits), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", [
-    Strategy(make_mesh("data=2,tensor=4"), "dp+tp", manual=True),  # vocabulary-parallel head: each shard its ids
-    Strategy(make_mesh("data=4,context=2"), "dp", context=ContextConfig("allgather", block=4)),
-], ids=["manual-tp", "context"])
-def test_strategies_with_their_own_head_mask_the_padding(strategy):
+MANUAL_TP = Strategy(make_mesh("data=2,tensor=4"), "dp+tp", manual=True)  # vocabulary-parallel head
+
+
+@pytest.mark.parametrize("strategy, config", [
+    (MANUAL_TP, GPT2), (MANUAL_TP, LLAMA),
+    (Strategy(make_mesh("data=4,context=2"), "dp", context=ContextConfig("allgather", block=4)), GPT2),
+], ids=["manual-tp-tied", "manual-tp-untied", "context"])
+def test_strategies_with_their_own_head_mask_the_padding(strategy, config):
     """The loss paths that do not go through `lm_loss`'s fused head: same loss and gradients as the
     unpadded model on one device; zero gradient on the padding, also on the devices that hold only padding."""
-    model, twin = planted(GPT2)
+    model, twin = planted(config)
     x = np.asarray(jax.random.randint(jax.random.key(1), (8, 16), 0, V))
     y = np.asarray(jax.random.randint(jax.random.key(2), (8, 16), 0, V))
 
