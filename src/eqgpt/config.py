@@ -66,7 +66,7 @@ class GPTConfig:
     - `vocab_pad_multiple`: the token table and the head get `padded_vocab_size` rows, the
       vocabulary rounded up to this multiple (GPT-2's 50257 -> 50304 at 128), for
       aligned matmuls and tensor-parallel splits. The extra ids never occur: their logits
-      are -inf (`GPT.logits`), so the loss and sampling never see them.
+      are -inf (`GPT.head_logits`), so the loss and sampling never see them.
     - `num_layers`, `num_heads`, `num_kv_heads`, `embed_dim`, `mlp_dim`: shape;
       `num_kv_heads=None` means MHA, `mlp_dim=None` means `4 * embed_dim`.
     - `norm`, `mlp`, `position`: "layernorm"/"rmsnorm", "gelu"/"swiglu", "learned"/"rope".
@@ -162,8 +162,8 @@ class GPTConfig:
         return dataclasses.replace(self, **changes)
 
 
-_GPT2 = dict(vocab_size=50257, vocab_pad_multiple=128, seq_len=1024, norm="layernorm", mlp="gelu", position="learned",
-             use_bias=True, tie_embeddings=True)
+_GPT2 = dict(vocab_size=50257, vocab_pad_multiple=128, seq_len=1024, norm="layernorm", mlp="gelu",
+             position="learned", use_bias=True, tie_embeddings=True)
 _LLAMA = dict(norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", position="rope", use_bias=False,
               tie_embeddings=False)
 
