@@ -21,6 +21,7 @@ from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.data import Batch
 from eqgpt.train import Strategy, TrainState, make_train_step
+from markov import markov_windows
 
 # GPT-2 style (LayerNorm, GELU, learned positions, biases, tied head) and
 # Llama style (RMSNorm, SwiGLU, RoPE, GQA 8 query / 4 kv heads, untied head).
@@ -38,9 +39,9 @@ OPTIMIZER = optax.adamw(1e-3)
 
 
 def batches(steps: int = STEPS, vocab: int = 64) -> list[Batch]:
-    """`steps` host batches of random tokens (the same for every case)."""
-    return [Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(100 + i), (BATCH, SEQ + 1), 0, vocab)))
-            for i in range(steps)]
+    """`steps` host batches of a fixed Markov chain (the same for every case): data a model
+    learns from, so the loss must fall (`markov.falls`)."""
+    return [Batch.from_windows(markov_windows(100 + i, BATCH, SEQ, vocab)) for i in range(steps)]
 
 
 def train(strategy: Strategy, model, opt_state, steps: int = STEPS):

@@ -29,6 +29,7 @@ from eqgpt.parallel.context import ContextConfig, ContextKernel
 from eqgpt.parallel.pipeline import lower, make_pipeline_schedule, pipeline_grad_fn
 from eqgpt.profile import collectives
 from eqgpt.train import TrainState, make_train_step
+from markov import falls, markov_windows
 
 CFG = eqgpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=8, num_heads=4, embed_dim=32)
 BATCH, SEQ, STEPS = 16, 16, 5
@@ -38,13 +39,12 @@ OPTIMIZER = optax.sgd(0.2, momentum=0.9)
 
 
 def make_batch(step, vocab=CFG.vocab_size) -> Batch:
-    kt, ky, km = jax.random.split(jax.random.fold_in(jax.random.key(7), step), 3)
-    return Batch(
-        tokens=jax.random.randint(kt, (BATCH, SEQ), 0, vocab),
-        targets=jax.random.randint(ky, (BATCH, SEQ), 0, vocab),
-        # Uneven token counts per microbatch: the loss must weight microbatches by tokens.
-        loss_mask=(jax.random.uniform(km, (BATCH, SEQ)) < 0.7).astype(jnp.float32),
-    )
+    """Rows of a fixed Markov chain (`markov`), a model can learn from, with a random loss mask."""
+    windows = Batch.from_windows(jnp.asarray(markov_windows(200 + step, BATCH, SEQ, vocab)))
+    km = jax.random.fold_in(jax.random.key(7), step)
+    # Uneven token counts per microbatch: the loss must weight microbatches by tokens.
+    return Batch(windows.tokens, windows.targets,
+                 loss_mask=(jax.random.uniform(km, (BATCH, SEQ)) < 0.7).astype(jnp.float32))
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,7 @@ def test_pipeline_matches_single_device_over_five_steps(case, init_model, refere
     strategy = Strategy(make_mesh(mesh_spec), rules,
                         pipeline=PipelineConfig(schedule, m, virtual_stages=2, layers_per_stage=(split or ["equal"])[0]))
     ref_losses, ref_final = reference
+    assert falls([loss for loss, _ in ref_losses])
     losses, final, compiled = train(strategy, init_model)
     check_reductions_once_per_step(compiled, strategy.mesh, strategy.pipeline_schedule())
     # Losses (and nll) step by step; after 5 momentum-SGD steps every parameter, so every gradient.

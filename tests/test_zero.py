@@ -17,23 +17,18 @@ import pytest
 import eqgpt
 from eqgpt import nn
 from eqgpt import parallel as par
-from eqgpt.data import Batch
 from eqgpt.parallel.zero import ZeroPlacement, zero_dim
 from eqgpt.profile import collectives, memory
 from eqgpt.train import Strategy, TrainState, make_optimizer, make_train_step
 from helpers import PARAM_ATOL
+from markov import falls
+from parallel_cases import batches
 
 # Untied head, so every gradient is one reduction (a tied table gets two, see test_parallel_hlo).
 CONFIG = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=8, embed_dim=32, tie_embeddings=False)
-BATCH, SEQ, STEPS = 8, 32, 5
 OPTIONS = {"xla_backend_optimization_level": 0}
 # Clipping at a norm the gradients exceed: the manual update must clip by the global norm.
 OPTIMIZER = make_optimizer(1e-3, clip_norm=0.5, weight_decay=0.1)
-
-
-def batches():
-    return [Batch.from_windows(np.asarray(jax.random.randint(jax.random.key(100 + i), (BATCH, SEQ + 1), 0, 64)))
-            for i in range(STEPS)]
 
 
 @functools.cache
@@ -74,6 +69,7 @@ def nbytes(tree, per_device: bool):
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_trains_like_data_parallelism(zero, manual):
     dp = run("data=8", "dp")
+    assert falls(dp[0])
     assert_same_training(run("data=8", "dp", zero, manual), dp, 1e-5)
 
 
