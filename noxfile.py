@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `tests-3.11`, `tests-3.12`, `lint`, `docs`, `bench`, `tests_multiprocess`.
+"""Developer sessions: `nox -s tests`, `tests-3.11`, `tests-3.12`, `lint`, `docs`, `bench`, `tests_multiprocess`,
+`mutants`.
 
 `tests` runs the suite on both supported ends of JAX: `tests-3.11` pins the oldest
 supported jax (0.10.2) on Python 3.11, `tests-3.12` installs the newest jax on
@@ -28,6 +29,14 @@ def tests_multiprocess(session: nox.Session) -> None:
     """Only the tests that start several real JAX processes."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", "-m", "multiprocess", *session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """The mutation catalogue (tests/mutants): every planted bug must be caught. Slow (about an
+    hour on 2 cores), so not in CI; `nox -s mutants -- --only NAME` runs some."""
+    session.install("-e", ".[test]")
+    session.run("python", "tests/mutants/run.py", *session.posargs)
 
 
 @nox.session

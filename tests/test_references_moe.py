@@ -64,12 +64,13 @@ def test_routing_matches_top_k_of_the_router():
     np.testing.assert_array_equal(np.asarray(top_e), ref.top_k_experts(router_logits(moe, x), 2))
 
 
-@pytest.mark.parametrize("top_k,factor", [(1, 1.0), (2, 1.0), (2, 0.5)])
+# (1, 1.2): ceil(1.2 x 12 / 4) = 4 slots, where rounding down would give 3.
+@pytest.mark.parametrize("top_k,factor", [(1, 1.0), (2, 1.0), (2, 0.5), (1, 1.2)])
 def test_capacity_drops_as_the_rule_says(top_k, factor):
     moe = layer(top_k, factor)
     x = tokens(2)
     c = ref.expert_capacity(T, E, top_k, factor)
-    assert moe.capacity(T) == c
+    assert moe.capacity(T) == c == {(1, 1.0): 3, (2, 1.0): 6, (2, 0.5): 3, (1, 1.2): 4}[top_k, factor]  # by hand
     chosen = ref.top_k_experts(router_logits(moe, x), top_k)
     kept = ref.capacity_kept(chosen, E, c)
     assert not kept.all()  # the case drops something
