@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 import eqgpt
+from eqgpt.config import scans_by_default
 from eqgpt.data.batch import Batch
 from eqgpt.nn import GPT
 from eqgpt.profile.flops import flops_per_token, peak_flops
@@ -97,8 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     p.add_argument("--kernel", default="auto", help="attention kernel (default auto: splash on TPU, cudnn on GPU)")
     p.add_argument("--remat", default=None, help="remat policy (default: the preset's)")
-    p.add_argument("--scan-layers", action="store_true", help="scan the layers (default: unrolled, as the recipe "
-                   "runs models of up to 12 layers on an accelerator)")
+    p.add_argument("--scan-layers", action="store_true", help="scan the layers (default: as the recipe, "
+                   "unrolled up to 12 layers on an accelerator, eqgpt.config.scans_by_default)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--mu-dtype", default=None, help="AdamW first-moment dtype, e.g. bf16 (default: the parameters')")
     p.add_argument("--master-weights", action="store_true", help="bf16 parameters, fp32 master weights")
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
               "with a small --preset to check the script.")
         return 0
     overrides = {"attention_kernel": args.kernel} | ({"seq_len": args.seq} if args.seq else {}) \
-        | ({"remat": args.remat} if args.remat else {}) | {"scan_layers": args.scan_layers}
+        | ({"remat": args.remat} if args.remat else {}) \
+        | {"scan_layers": args.scan_layers or scans_by_default(eqgpt.preset(args.preset).num_layers, device.platform)}
     cfg = eqgpt.preset(args.preset, **overrides)
     r = measure(cfg, batch=args.batch, precision=args.precision, steps=args.steps, warmup=args.warmup,
                 mu_dtype=args.mu_dtype, master_weights=args.master_weights, breakdown=args.breakdown)

@@ -26,6 +26,7 @@ import tyro
 import eqgpt
 from eqgpt import distributed
 from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
+from eqgpt.config import scans_by_default
 from eqgpt.data import bytes_per_token, eval_windows, load_corpus
 from eqgpt.data.batch import Batch
 from eqgpt.data.corpus import is_token_file
@@ -79,11 +80,6 @@ class DataConfig:
     """'bytes' (default), 'bpe:N' (byte-level BPE of N tokens trained on the training split, cached with the tokens), a tokenizer.json, or a GPT-2 vocab.json (merges.txt beside it). A non-byte tokenizer sets the model's vocab_size."""
 
 
-UNROLL_MAX_LAYERS = 8  # deeper models scan their layers: an unrolled stack's compile time grows with depth
-# On a TPU the scan itself costs time: gpt2-small's step took 180.7 ms scanned, 155.1 ms unrolled (docs/profiling.md).
-ACCELERATOR_UNROLL_MAX_LAYERS = 12
-
-
 @dataclass
 class ModelConfig:
     """The model: a preset from `eqgpt.PRESETS`, with optional overrides."""
@@ -101,7 +97,7 @@ class ModelConfig:
     position: Literal["learned", "rope"] | None = None
     """Override: learned or rotary position embeddings."""
     scan_layers: bool = False
-    """Run the layers as one lax.scan (compile time independent of depth). Models of up to 8 layers are unrolled by default (9-14% faster CPU steps at 4 layers); deeper ones are always scanned, as an unrolled stack's compile time grows with depth (docs/profiling.md)."""
+    """Run the layers as one lax.scan (compile time independent of depth). By default models of up to 8 layers (12 on an accelerator) unroll them, for faster steps; deeper ones scan, as an unrolled stack's compile time grows with depth (eqgpt.config.scans_by_default)."""
     num_experts: int | None = None
     """Override: MoE experts per layer (an MoE preset such as moe-nano; on a dense preset, makes it MoE)."""
     top_k: int | None = None
@@ -131,8 +127,8 @@ class ModelConfig:
                 flags = ", ".join(f"--model.{k.replace('_', '-')} {v}" for k, v in moe.items())
                 raise ValueError(f"{e} (from {flags})") from None
         num_layers = overrides.get("num_layers", eqgpt.preset(self.preset).num_layers)
-        unroll = UNROLL_MAX_LAYERS if jax.default_backend() == "cpu" else ACCELERATOR_UNROLL_MAX_LAYERS
-        return eqgpt.preset(self.preset, scan_layers=self.scan_layers or num_layers > unroll, **overrides)
+        scan = self.scan_layers or scans_by_default(num_layers, jax.default_backend())
+        return eqgpt.preset(self.preset, scan_layers=scan, **overrides)
 
 
 @dataclass

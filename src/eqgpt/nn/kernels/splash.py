@@ -54,7 +54,9 @@ class Blocks(NamedTuple):
 # Measured on one TPU v5e (docs/profiling.md, `benchmarks/attention_speed.py --sweep`):
 # forward + backward, causal, 16k tokens, 12 heads (ms), square blocks 256/512/1024 at T=1024:
 # 7.86 / 5.17 / 4.89; T=2048: 12.51 / 6.92 / 6.64; T=4096: 21.97 / 10.85 / 9.68; T=8192: 40.57 /
-# 18.57 / 15.47 (two backward kernels). The fused backward saves its recomputation of the scores.
+# 18.57 / 15.47 (two backward kernels). The fused backward kernel computes the scores once for dq, dk
+# and dv: 1024-square blocks, two kernels against fused, T=2048: 6.45 / 5.63; 4096: 9.37 / 8.05; 8192:
+# 15.29 / 12.91 (docs/measured/attention_fused_sweep.txt).
 BLOCK_TABLE: dict[tuple[int, int, str], Blocks] = {
     (1024, 64, "bfloat16"): Blocks(1024, 1024, True),
 }
