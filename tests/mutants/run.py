@@ -77,9 +77,9 @@ def run_tests(mutation: Mutation, src: Path, timeout: float) -> tuple[str, float
         outcome = "no tests selected"
     margins = [float(m) for m in re.findall(r"\[margin ([0-9.e+-]+)x\]", text)]
     failed = re.findall(r"^FAILED (.+?)(?: - .*)?$", text, flags=re.M)
-    raised = re.search(r"^E\s+(?:\w+\.)*(\w+(?:Error|Exception|Exit)|Failed)\b", text, flags=re.M)
-    return (outcome, min(margins) if margins else None, failed[0] if failed else "",
-            raised.group(1) if raised else "", seconds)
+    raised = re.search(r"^E\s+(?:\w+\.)*(\w+(?:Error|Exception|Exit)|Failed|assert)\b", text, flags=re.M)
+    kind = "" if raised is None else "AssertionError" if raised.group(1) == "assert" else raised.group(1)
+    return outcome, min(margins) if margins else None, failed[0] if failed else "", kind, seconds
 
 
 def main() -> int:
