@@ -75,7 +75,7 @@ def first_step(name: str, strategy: Strategy) -> dict:
     step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
     state, metrics = step(state, strategy.batch(batch()))
     raw, _, clipped, _ = state.opt_state
-    return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+    return {**{k: float(metrics[k]) for k in ("loss", "grad_norm", "moe_balance") if k in metrics},
             "raw": flat(raw), "clipped": flat(clipped), "params": flat(state.model)}
 
 
@@ -93,13 +93,14 @@ def leaf_error(got: np.ndarray, want: np.ndarray, scale: float) -> float:
 
 def errors(got: dict, want: dict) -> dict[str, float]:
     """Every compared quantity's error: per leaf of the raw and clipped gradients and the new
-    parameters, and the relative error of the loss and grad_norm."""
+    parameters, and the relative error of the loss, grad_norm and (MoE) balance metric."""
     out = {}
     for kind in ("raw", "clipped", "params"):
         assert got[kind].keys() == want[kind].keys()
         scale = max(np.max(np.abs(x)) for x in want[kind].values())
         out.update({f"{kind} {path}": leaf_error(got[kind][path], want[kind][path], scale) for path in want[kind]})
-    out.update({k: abs(got[k] - want[k]) / want[k] for k in ("loss", "grad_norm")})
+    assert got.keys() == want.keys()  # an MoE run reports its balance metric on every path
+    out.update({k: abs(got[k] - want[k]) / want[k] for k in ("loss", "grad_norm", "moe_balance") if k in want})
     return out
 
 
@@ -131,6 +132,14 @@ CASES = {
     "expert": ("moe", lambda: Strategy.parse("expert=8", "dp")),
     "expert-data": ("moe", lambda: Strategy.parse("expert=4,data=2", "dp")),
     "expert-fsdp-tp": ("moe", lambda: Strategy.parse("expert=2,fsdp=2,tensor=2", "fsdp+tp")),
+    # MoE with the sequence split (zigzag: the capacity path must serve tokens by true position);
+    # the loss holds the router losses, `moe_balance` is compared too.
+    "moe-context-ring": ("moe", lambda: Strategy(par.make_mesh("context=4,data=2"), "dp",
+                                                 context=ContextConfig("ring", block=4))),
+    "moe-context-allgather": ("moe", lambda: Strategy(par.make_mesh("context=2,tensor=2,fsdp=2"), "fsdp+tp",
+                                                      context=ContextConfig("allgather", block=4))),
+    "moe-context-ulysses": ("moe", lambda: Strategy(par.make_mesh("context=2,data=4"), "dp",
+                                                    context=ContextConfig("ulysses"))),
 }
 
 

@@ -57,7 +57,7 @@ class Block(eqx.Module):
             x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, **extra)
         x = self.shard(x, ("batch", "seq", "embed"))
         with jax.named_scope("mlp"):
-            h, stats = mlp_with_stats(self.mlp, self.mlp_norm(x))
+            h, stats = mlp_with_stats(self.mlp, self.mlp_norm(x), positions)
         return self.shard(x + h, ("batch", "seq", "embed")), stats
 
     def __call__(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -236,10 +237,7 @@ def lm_loss(
     metrics (`eqgpt.nn.moe.moe_loss`).
     """
     extra = {} if doc_positions is None else {"doc_positions": doc_positions}
-    if not hasattr(model, "features_and_stats"):
-        hidden, stats = model.features(tokens, segment_ids=segment_ids, **extra), None
-    else:
-        hidden, stats = model.features_and_stats(tokens, segment_ids=segment_ids, **extra)
+    hidden, stats = features_and_stats(model, tokens, segment_ids=segment_ids, **extra)
     head = getattr(model, "head_matrix", None)
     if head is not None:  # the fused head: logits once, gradients in the same pass
         total, (nll, z, count) = head_loss_sums(hidden, head(), targets, loss_mask=loss_mask, chunk_size=chunk_size,
@@ -250,9 +248,27 @@ def lm_loss(
         loss, aux = chunked_cross_entropy(
             model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size, z_loss=z_loss
         )
+    return add_router_losses(model, loss, aux, stats, rows=tokens.shape[0], tokens=tokens.size)
+
+
+def features_and_stats(model, tokens: Int[Array, "batch seq"], **kwargs) -> tuple[Array, Any]:
+    """`model.features(tokens, **kwargs)` and its MoE router statistics (`None` for a model
+    without `features_and_stats`, or a dense one)."""
+    if not hasattr(model, "features_and_stats"):
+        return model.features(tokens, **kwargs), None
+    return model.features_and_stats(tokens, **kwargs)
+
+
+def add_router_losses(model, loss: Array, aux: dict, stats, *, rows: int, tokens: int) -> tuple[Array, dict]:
+    """`(loss, aux)` with the MoE router losses of `stats` added to `loss` and their metrics to
+    `aux` (`eqgpt.nn.moe.moe_loss`); unchanged when `stats` is `None` (a dense model).
+
+    `stats` are sums over all `rows` sequences (`tokens` tokens) of the step: a split of the
+    sequence or of the rows must sum its shares' statistics before they come here.
+    """
     if stats is None:
         return loss, aux
     from eqgpt.nn.moe import moe_loss
 
-    moe, metrics = moe_loss(stats, model.config.moe, rows=tokens.shape[0], tokens=tokens.size)
+    moe, metrics = moe_loss(stats, model.config.moe, rows=rows, tokens=tokens)
     return loss + moe, {**aux, **metrics}

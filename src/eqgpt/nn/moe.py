@@ -12,7 +12,7 @@ Two ways to compute:
 - **capacity** (default): each expert has `C = ceil(capacity_factor * seq * top_k /
   num_experts)` slots per sequence. Assignments are served in order of choice rank
   (every token's first choice before any second choice), then of position in the
-  sequence; those past an expert's `C` slots are dropped, and the token keeps only
+  sequence (the `positions` given, which a context-parallel layout permutes); those past an expert's `C` slots are dropped, and the token keeps only
   its residual (plus the other experts it got). Tokens are scattered into a dense
   `[experts, batch, C, embed]` tensor, computed, and gathered back.
 - **dropless**: every assignment is computed. Assignments are sorted by expert and
@@ -155,6 +155,18 @@ def assign_slots(
     return jnp.swapaxes(slot.reshape(b, k, t), 1, 2)
 
 
+def assign_slots_in_order(
+    experts: Int[Array, "batch seq k"], num_experts: int, capacity: int, positions: Int[Array, " seq"] | None
+) -> Int[Array, "batch seq k"]:
+    """`assign_slots` with the sequence ranked by `positions` (each token's place in the
+    sequence) rather than by where it lies in `experts`; `None`: where it lies."""
+    if positions is None:
+        return assign_slots(experts, num_experts, capacity)
+    order = jnp.argsort(positions)
+    slot = assign_slots(jnp.take(experts, order, axis=1), num_experts, capacity)
+    return jnp.take(slot, jnp.argsort(order), axis=1)
+
+
 def scatter_to_slots(
     x: Float[Array, "batch seq embed"], slot: Int[Array, "batch seq k"], num_experts: int, capacity: int
 ) -> Float[Array, "experts batch capacity embed"]:
@@ -254,17 +266,27 @@ class MoE(eqx.Module):
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
         return logits, probs, top_e, top_p
 
-    def with_stats(self, x: Float[Array, "batch seq embed"]) -> tuple[Float[Array, "batch seq embed"], MoEStats]:
-        """**Returns:** the layer's output and its `MoEStats` (this layer's sums)."""
-        x = self.shard(x, REGION_INPUT)
+    def with_stats(
+        self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"] | None = None
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats]:
+        """**Arguments:** `x`; `positions`, each token's place in the sequence (the capacity
+        path serves earlier places first; default: the order of `x`).
+
+        **Returns:** the layer's output and its `MoEStats` (this layer's sums).
+
+        The router reads `x` before the experts' region starts (`self.shard(x, REGION_INPUT)`):
+        under manual tensor parallelism every device then routes the same replicated
+        input, and the router's losses are counted once, not once per device.
+        """
         b, t, _ = x.shape
         e, k = self.num_experts, self.top_k
         logits, probs, top_e, weights = self.route(x)
+        x = self.shard(x, REGION_INPUT)
         if self.dropless and self.dispatch.grouped:
             y, dropped = self._grouped(x, top_e, weights), jnp.float32(0)
         else:
             c = self.capacity(t)
-            slot = assign_slots(top_e, e, c)
+            slot = assign_slots_in_order(top_e, e, c, positions)
             xd = self.shard(scatter_to_slots(x, slot, e, c), self.dispatch.layout)
             yd = self.shard(self.dispatch(self.experts, xd), self.dispatch.layout)
             y = gather_from_slots(yd, slot, weights)
@@ -297,8 +319,11 @@ class MoE(eqx.Module):
         return self.with_stats(x)[0]
 
 
-def mlp_with_stats(mlp: eqx.Module, x: Array) -> tuple[Array, MoEStats | None]:
-    """`mlp(x)` and its router statistics: an `MoE`'s (anything with `with_stats`), else `None`."""
+def mlp_with_stats(mlp: eqx.Module, x: Array, positions: Array | None = None) -> tuple[Array, MoEStats | None]:
+    """`mlp(x)` and its router statistics: an `MoE`'s (anything with `with_stats`), else `None`.
+    An `MoE` also gets the tokens' `positions` (see `MoE.with_stats`)."""
+    if isinstance(mlp, MoE):
+        return mlp.with_stats(x, positions)
     with_stats = getattr(mlp, "with_stats", None)
     return with_stats(x) if with_stats is not None else (mlp(x), None)
 

@@ -13,7 +13,9 @@ before the embedding: tokens, targets, loss mask, segment ids and per-row
 document positions are reordered,
 and the global positions of the layout go to the model (`GPT.features(...,
 positions=...)`), so RoPE, learned position embeddings and the masks see every
-token at its true position.
+token at its true position. An MoE model's router losses are added from its
+statistics over the whole sequence, and the capacity path serves tokens in the order
+of their true positions, so both equal the unsplit model's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.nn.embedding import Embedding
-from eqgpt.nn.loss import chunked_cross_entropy
+from eqgpt.nn.loss import add_router_losses, chunked_cross_entropy, features_and_stats
 from eqgpt.parallel.context.layout import Ordering, check_layout, layout_batch
 from eqgpt.parallel.context.model import context_kernels
 from eqgpt.parallel.rules import Rules, preset_rules
@@ -133,12 +135,16 @@ def context_loss_fn(
                   "segment_ids": batch.segment_ids, "doc_positions": batch.positions}
         lm = layout_batch(fields, size, ordering)
         extra = {} if batch.positions is None else {"doc_positions": lm["doc_positions"]}
-        hidden = model.features(lm["tokens"], positions=lm["positions"], segment_ids=lm.get("segment_ids"),
-                                **extra)
-        return sharded_cross_entropy(
+        # The arrays are global (the partitioner splits them), so an MoE layer's router statistics
+        # are already sums over the whole sequence: the balance loss's fractions and mean
+        # probabilities of each sequence are formed from all its positions, then multiplied.
+        hidden, stats = features_and_stats(model, lm["tokens"], positions=lm["positions"],
+                                           segment_ids=lm.get("segment_ids"), **extra)
+        loss, aux = sharded_cross_entropy(
             model.head_logits, hidden, lm["targets"], mesh=mesh, loss_mask=lm.get("loss_mask"),
             axis=axis, chunk_size=chunk_size, z_loss=z_loss,
         )
+        return add_router_losses(model, loss, aux, stats, rows=batch.tokens.shape[0], tokens=batch.tokens.size)
 
     return loss_fn
 

@@ -19,7 +19,6 @@ from eqgpt.parallel.context.layout import check_layout
 from eqgpt.parallel.context.loss import context_loss_fn, context_rules
 from eqgpt.parallel.context.model import use_context_attention
 from eqgpt.parallel.context.ulysses import kv_replication
-from eqgpt.parallel.expert import moe_layers
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import Rules
 
@@ -45,9 +44,6 @@ class ContextPart(Part):
                                      batch_axes=strategy.rules.axes("batch", "activations"))
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
-        if moe_layers(model_like):
-            raise ValueError("context parallelism does not run MoE models: its sequence-split loss has no router "
-                             "losses; drop --context (use --mesh expert=N, data or fsdp instead).")
         check_layout(seq_len, strategy.mesh.shape["context"], self.config.ordering)
         if self.config.impl == "ulysses":
             is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
