@@ -89,4 +89,7 @@ def main(cfg: SampleConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(SampleConfig))
+    try:
+        main(tyro.cli(SampleConfig))
+    except ValueError as e:  # a prompt, tokenizer or run this cannot use: say what, no traceback
+        raise SystemExit(f"error: {e}") from None

@@ -16,6 +16,7 @@ from eqgpt.data.packing import PackedLoader, pack_documents, packing_efficiency
 from eqgpt.data.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
+    CharTokenizer,
     Tokenizer,
     bytes_per_token,
     load_tokenizer,
@@ -23,7 +24,7 @@ from eqgpt.data.tokenizer import (
 )
 
 __all__ = [
-    "Batch", "as_batch", "ByteTokenizer", "BPETokenizer", "Tokenizer", "load_tokenizer", "train_bpe",
+    "Batch", "as_batch", "ByteTokenizer", "CharTokenizer", "BPETokenizer", "Tokenizer", "load_tokenizer", "train_bpe",
     "bytes_per_token", "Corpus", "load_corpus", "stdlib_files", "stdlib_root", "text_files",
     "default_cache_dir", "is_validation_file", "BatchLoader", "eval_windows", "process_rows",
     "GrainLoader", "LoaderConfig", "make_loader", "PackedLoader", "pack_documents", "packing_efficiency",

@@ -13,7 +13,9 @@ import dataclasses
 import glob
 import hashlib
 import json
+import math
 import os
+import pickle
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from eqgpt.data.tokenizer import (
     MAX_VOCAB,
     TOKENIZER_FILE,
     ByteTokenizer,
+    CharTokenizer,
     Tokenizer,
     load_tokenizer,
     parse_bpe_spec,
@@ -55,6 +58,8 @@ class Corpus:
     train_docs: np.ndarray | None = None  # document boundaries [0, end_0, end_1, ...] into train (packing)
     val_docs: np.ndarray | None = None
     tokenizer: Tokenizer = ByteTokenizer()  # what made (and decodes) the tokens
+    pretokenized: bool = False  # ids read from a token file or a nanoGPT folder, not tokenized here
+    notes: tuple[str, ...] = ()  # what loading skipped, for the user to read
 
 
 def default_cache_dir() -> Path:
@@ -80,29 +85,73 @@ def stdlib_files() -> list[Path]:
 
 
 def text_files(source: str | Path) -> tuple[Path, list[Path]]:
-    """The files of a directory (recursively, sorted) or a glob pattern.
+    """The text files of a directory (recursively, sorted; hidden and binary files and hidden
+    directories left out) or a glob pattern (binary files left out).
 
     **Returns:** `(root, files)`; `root` is what split hashes are relative to.
     """
+    root, files, _ = scan_text_files(source)
+    return root, files
+
+
+def scan_text_files(source: str | Path) -> tuple[Path, list[Path], tuple[str, ...]]:
+    """`text_files`, and a note saying what it skipped (empty when nothing)."""
     s = str(source)
     if any(ch in s for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(s, recursive=True) if Path(p).is_file())
-        if not files:
+        found = sorted(Path(p) for p in glob.glob(s, recursive=True) if Path(p).is_file())
+        if not found:
             raise ValueError(f"glob {s!r} matched no files; check the pattern (use ** for subdirectories).")
-        root = Path(os.path.commonpath([str(f.parent) for f in files]))
-        return root, files
-    path = Path(s).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"corpus path {s!r} does not exist; pass a directory of text files, a glob such as "
-            "'data/**/*.txt', a .bin/.npy token file, or 'stdlib'."
-        )
-    if path.is_file():
-        return path.parent, [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        hidden_dirs, hidden_files = [], []
+    else:
+        path = Path(s).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"corpus path {s!r} does not exist; pass a directory of text files, a glob such as "
+                "'data/**/*.txt', a .bin/.npy token file, a nanoGPT data folder, or 'stdlib'."
+            )
+        if path.is_file():
+            return path.parent, [path], ()
+        found, hidden_dirs, hidden_files = _walk(path)
+        if not found and not hidden_dirs and not hidden_files:
+            raise ValueError(f"corpus directory {s!r} holds no files; put text files in it.")
+    files = [f for f in found if not is_binary(f)]
+    binary = [f for f in found if f not in set(files)]
+    note = _skipped_note(s, binary, hidden_dirs, hidden_files)
     if not files:
-        raise ValueError(f"corpus directory {s!r} holds no files; put text files in it.")
-    return path, files
+        raise ValueError(f"corpus {s!r} holds no text files" + (f" ({note})" if note else "") + "; put text files in it.")
+    root = path if not any(ch in s for ch in "*?[") else Path(os.path.commonpath([str(f.parent) for f in files]))
+    return root, files, (note,) if note else ()
+
+
+def _walk(path: Path) -> tuple[list[Path], list[str], list[str]]:
+    """Files under `path` (sorted), without descending into hidden directories; **returns** them,
+    the hidden directories and the hidden files left out."""
+    files, hidden_dirs, hidden_files = [], [], []
+    for top, dirs, names in os.walk(path):
+        hidden_dirs += [os.path.relpath(os.path.join(top, d), path) for d in dirs if d.startswith(".")]
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        hidden_files += [n for n in names if n.startswith(".")]
+        files += [Path(top, n) for n in names if not n.startswith(".") and Path(top, n).is_file()]
+    return sorted(files), sorted(hidden_dirs), hidden_files
+
+
+def is_binary(path: Path) -> bool:
+    """Whether `path` looks binary: a NUL byte in its first 8 KiB (as git decides)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def _skipped_note(source: str, binary: list[Path], hidden_dirs: list[str], hidden_files: list[str]) -> str:
+    parts = []
+    if binary:
+        parts.append(f"{len(binary)} binary file{'s' * (len(binary) != 1)} ({', '.join(f.name for f in binary[:3])}"
+                     + (", ..." if len(binary) > 3 else "") + ")")
+    if hidden_dirs:
+        parts.append(f"{len(hidden_dirs)} hidden director{'ies' if len(hidden_dirs) != 1 else 'y'} "
+                     f"({', '.join(hidden_dirs[:3])}" + (", ..." if len(hidden_dirs) > 3 else "") + ")")
+    if hidden_files:
+        parts.append(f"{len(hidden_files)} hidden file{'s' * (len(hidden_files) != 1)}")
+    return f"corpus {source}: skipped {', '.join(parts)}" if parts else ""
 
 
 def is_validation_file(relative_path: str, val_percent: float) -> bool:
@@ -199,12 +248,54 @@ def _memmap(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
+@dataclass(frozen=True)
+class _Slice:
+    """Bytes `start:stop` of a file: the head (training) or tail (validation) of a one-file corpus."""
+
+    path: Path
+    start: int
+    stop: int
+
+    def read_bytes(self) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            return f.read(self.stop - self.start)
+
+    def relative_to(self, root: Path) -> Path:
+        return Path(f"{self.path.relative_to(root).as_posix()}[{self.start}:{self.stop}]")
+
+    def __str__(self) -> str:
+        return f"{self.path} (bytes {self.start}:{self.stop})"
+
+
+def tail_split(path: Path, val_percent: float) -> tuple[_Slice, _Slice]:
+    """A one-file corpus split by bytes: the last `val_percent` for validation, its start moved back
+    to a line start (within 64 KiB; else to a UTF-8 character start)."""
+    size = path.stat().st_size
+    cut = size - math.ceil(size * val_percent / 100)
+    with open(path, "rb") as f:
+        lo = max(0, cut - (1 << 16))
+        f.seek(lo)
+        window = f.read(cut - lo + 1)
+    newline = window.rfind(b"\n", 0, cut - lo)
+    if newline >= 0:
+        cut = lo + newline + 1
+    else:
+        while 0 < cut < size and (window[cut - lo] & 0xC0) == 0x80:  # a UTF-8 continuation byte
+            cut -= 1
+    return _Slice(path, 0, cut), _Slice(path, cut, size)
+
+
 def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer, progress=False) -> Corpus:
-    train_files, val_files = _split(root, files, val_percent)
+    if len(files) == 1:  # one file: its head trains, its tail validates
+        head, tail = tail_split(files[0], val_percent)
+        train_files, val_files = [head], [tail]
+    else:
+        train_files, val_files = _split(root, files, val_percent)
     stats = [(f.relative_to(root).as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     spec = tokenizer if isinstance(tokenizer, str) else tokenizer.name if isinstance(tokenizer, ByteTokenizer) \
         else tokenizer.fingerprint
-    key = _fingerprint([str(root), stats, val_percent, spec])
+    key = _fingerprint([str(root), stats, val_percent, spec] + (["tail"] if len(files) == 1 else []))
     cache = Path(cache_dir).expanduser() / f"{Path(name).name or 'corpus'}-{key}"
     cache.mkdir(parents=True, exist_ok=True)
     tokenizer = _corpus_tokenizer(tokenizer, cache, train_files, progress)
@@ -304,6 +395,83 @@ def _token_file_corpus(path: Path, *, val_percent: float, vocab_size: int | None
                   *_split_docs(bounds, n_train, len(tokens)))
 
 
+META_KEYS = {"vocab_size", "itos", "stoi"}
+
+
+class _NoGlobals(pickle.Unpickler):
+    """An unpickler that builds plain containers only: any class or function is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain data is read")
+
+
+def read_meta(path: Path) -> dict:
+    """nanoGPT's `meta.pkl`: a plain dict `{"vocab_size": int, "itos": {int: str}, "stoi": {str: int}}`.
+
+    Nothing is imported or called while reading it; any other pickle is refused with a `ValueError`.
+    """
+    what = f"{path} is not a nanoGPT vocabulary (a plain dict of vocab_size, itos and stoi)"
+    try:
+        with open(path, "rb") as f:
+            meta = _NoGlobals(f).load()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means: not such a dict
+        raise ValueError(f"{what}; refused: {e}") from None
+    if not isinstance(meta, dict) or not set(meta) <= META_KEYS or not isinstance(meta.get("vocab_size"), int):
+        raise ValueError(f"{what}; it holds {type(meta).__name__}" + (f" with keys {sorted(map(str, meta))}" if isinstance(meta, dict) else ""))
+    itos, stoi = meta.get("itos"), meta.get("stoi")
+    if (itos is None) != (stoi is None) or not (itos is None or (
+            isinstance(itos, dict) and isinstance(stoi, dict)
+            and all(isinstance(i, int) and 0 <= i < meta["vocab_size"] and isinstance(c, str) for i, c in itos.items())
+            and all(isinstance(c, str) and isinstance(i, int) for c, i in stoi.items()))):
+        raise ValueError(f"{what}; its itos/stoi are not tables of ids below vocab_size and strings.")
+    return meta
+
+
+def nanogpt_folder(source: str | Path) -> Path | None:
+    """The nanoGPT data folder `source` names: a directory holding `train.bin`, or a `train.bin`
+    with `val.bin` or `meta.pkl` beside it; else `None`."""
+    path = Path(str(source)).expanduser()
+    if path.is_dir() and (path / "train.bin").is_file():
+        return path
+    if path.name == "train.bin" and path.is_file() and any((path.parent / n).is_file() for n in ("val.bin", "meta.pkl")):
+        return path.parent
+    return None
+
+
+def _nanogpt_corpus(folder: Path, *, val_percent: float, vocab_size: int | None, tokenizer) -> Corpus:
+    """`train.bin` trains, `val.bin` validates (else the tail of `train.bin`), `meta.pkl` gives the
+    vocabulary and the characters that decode it."""
+    meta = read_meta(folder / "meta.pkl") if (folder / "meta.pkl").is_file() else {}
+    if not (folder / "val.bin").is_file():
+        corpus = _token_file_corpus(folder / "train.bin", val_percent=val_percent,
+                                    vocab_size=vocab_size or meta.get("vocab_size"))
+    else:
+        train, val = _memmap(folder / "train.bin"), _memmap(folder / "val.bin")
+        vocab = _token_file_vocab(folder / "train.bin", train, vocab_size or meta.get("vocab_size"))
+        _token_file_vocab(folder / "val.bin", val, vocab)
+        corpus = Corpus(str(folder), train, val, vocab)
+    if "itos" in meta and tokenizer == "bytes":
+        tok = CharTokenizer(meta["itos"], meta["stoi"], name=f"{len(meta['itos'])} characters of meta.pkl")
+    else:
+        tok = load_tokenizer(tokenizer)
+    return dataclasses.replace(corpus, name=str(folder), tokenizer=tok, pretokenized=True)
+
+
+def _too_small(corpus: Corpus, source, split: str, n: int, min_tokens: int, val_percent: float) -> ValueError:
+    """The error for a split shorter than one sequence; a one-file corpus names its size."""
+    path = Path(str(source)).expanduser()
+    total = len(corpus.train) + len(corpus.val)
+    if path.is_file() and not corpus.pretokenized:
+        need = math.ceil(min_tokens * 100 / min(val_percent, 100 - val_percent))
+        return ValueError(
+            f"corpus file {source} is too small: {path.stat().st_size:,} bytes, {total:,} tokens, of which the "
+            f"{split} share ({'the last ' if split == 'val' else 'the first '}{val_percent if split == 'val' else 100 - val_percent:g}%) "
+            f"holds {n}, fewer than one sequence ({min_tokens} = seq_len + 1); it needs about {need:,} tokens "
+            "at this --data.val-percent: give a longer file or lower --model.seq-len.")
+    return ValueError(f"the {split} split of corpus {corpus.name!r} has {n} tokens, fewer than one "
+                      f"sequence ({min_tokens} = seq_len + 1); add text, lower seq_len, or change val_percent.")
+
+
 def load_corpus(
     source: str | Path = "stdlib",
     *,
@@ -319,7 +487,10 @@ def load_corpus(
     **Arguments:**
 
     - `source`: `"stdlib"` (the Python standard library's `.py` files), a directory,
-      a glob of text files, or a pre-tokenized `.bin` (`uint16`) / `.npy` file.
+      a glob of text files, one text file (its last `val_percent` of bytes validates), a
+      nanoGPT data folder (`train.bin`, `val.bin`, `meta.pkl`; or its `train.bin`), or a
+      pre-tokenized `.bin` (`uint16`) / `.npy` file. Directories skip hidden directories
+      and files and binary files, and say so in `Corpus.notes`.
     - `cache_dir`: where token caches go (default `default_cache_dir()`).
     - `val_percent`: share held out for validation: of files for text corpora,
       of the token tail for token files.
@@ -342,23 +513,25 @@ def load_corpus(
     if str(source) == "stdlib":
         corpus = _text_corpus("stdlib", stdlib_root(), stdlib_files(), cache_dir=cache_dir,
                               val_percent=val_percent, tokenizer=tokenizer, progress=progress)
+    elif (folder := nanogpt_folder(source)) is not None:
+        if isinstance(tokenizer, str) and parse_bpe_spec(tokenizer) is not None:
+            raise ValueError(f"{source} is already tokenized, so there is no text to train {tokenizer!r} on.")
+        corpus = _nanogpt_corpus(folder, val_percent=val_percent, vocab_size=vocab_size, tokenizer=tokenizer)
     elif is_token_file(source):
         if isinstance(tokenizer, str) and parse_bpe_spec(tokenizer) is not None:
             raise ValueError(f"{source} is already tokenized, so there is no text to train {tokenizer!r} on; "
                              "pass the tokenizer.json that made it (or 'bytes').")
         corpus = _token_file_corpus(Path(source), val_percent=val_percent, vocab_size=vocab_size)
-        corpus = dataclasses.replace(corpus, tokenizer=load_tokenizer(tokenizer))
+        corpus = dataclasses.replace(corpus, tokenizer=load_tokenizer(tokenizer), pretokenized=True)
     else:
-        root, files = text_files(source)
+        root, files, notes = scan_text_files(source)
         corpus = _text_corpus(str(source), root, files, cache_dir=cache_dir,
                               val_percent=val_percent, tokenizer=tokenizer, progress=progress)
+        corpus = dataclasses.replace(corpus, notes=notes)
     if len(corpus.train) == 0 and len(corpus.val) == 0:
         raise ValueError(f"corpus {corpus.name!r} is empty (0 tokens); give it some text.")
     for split in ("train", "val"):
         n = len(getattr(corpus, split))
         if n < min_tokens:
-            raise ValueError(
-                f"the {split} split of corpus {corpus.name!r} has {n} tokens, fewer than one "
-                f"sequence ({min_tokens} = seq_len + 1); add text, lower seq_len, or change val_percent."
-            )
+            raise _too_small(corpus, source, split, n, min_tokens, val_percent)
     return corpus

@@ -122,6 +122,69 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
+class CharTokenizer:
+    """One id per character, from a table `itos` (nanoGPT's `meta.pkl`, e.g. `shakespeare_char`).
+
+    Encoding refuses characters outside the table (naming them); `decode` writes U+FFFD for
+    ids it lacks. Saved as a `tokenizers` WordLevel JSON that splits text into characters.
+    """
+
+    special_tokens: dict[str, int] = {}  # noqa: RUF012 (read-only)
+    eos_id: int | None = None
+
+    def __init__(self, itos: dict[int, str], stoi: dict[str, int] | None = None, name: str = "chars"):
+        self.itos = {int(i): str(c) for i, c in itos.items()}
+        self.stoi = {c: i for i, c in self.itos.items()} if stoi is None else {str(c): int(i) for c, i in stoi.items()}
+        self.vocab_size = max(self.itos, default=-1) + 1
+        self.name = name
+        self.fingerprint = "chars-" + hashlib.sha256(json.dumps(sorted(self.itos.items())).encode()).hexdigest()[:16]
+
+    def encode(self, text: str) -> Int[np.ndarray, " n"]:
+        """**Returns:** the id of each character. **Raises** `ValueError` naming the characters not in the table."""
+        missing = sorted(set(text) - self.stoi.keys())
+        if missing:
+            shown = ", ".join(repr(c) for c in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            raise ValueError(f"{shown} {'is' if len(missing) == 1 else 'are'} not in the {len(self.stoi)}-character "
+                             "vocabulary of this corpus (its meta.pkl); use only characters it holds.")
+        return np.asarray([self.stoi[c] for c in text], _ids_dtype(self.vocab_size))
+
+    def encode_bytes(self, data: bytes) -> Int[np.ndarray, " n"]:
+        """UTF-8 `data` encoded as text."""
+        return self.encode(data.decode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` of each text."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        """**Arguments:** token ids. **Returns:** their characters joined."""
+        return "".join(self.itos.get(int(i), "\ufffd") for i in np.asarray(ids).ravel())
+
+    def token_bytes(self) -> Int[np.ndarray, " vocab"]:
+        """The UTF-8 length of each id's character (0 for ids the table lacks)."""
+        return np.asarray([len(self.itos.get(i, "").encode("utf-8")) for i in range(self.vocab_size)], np.int64)
+
+    def to_hf_json(self) -> str:
+        """This tokenizer as a `tokenizers` JSON: WordLevel over single characters, joined when decoding."""
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer(models.WordLevel(self.stoi, unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return tok.to_str()
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `tokenizer.json` into `directory`. **Returns:** its path."""
+        path = Path(directory) / TOKENIZER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_hf_json())
+        return path
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer({self.vocab_size} characters)"
+
+
 class BPETokenizer:
     """A byte-level BPE tokenizer (a `tokenizers.Tokenizer`) behind the `Tokenizer` interface.
 
@@ -329,6 +392,8 @@ def _from_json_file(path: Path) -> Tokenizer:
         if (model.get("type") == "BPE" and not model.get("merges") and not spec.get("added_tokens")
                 and vocab == {table[b]: b for b in range(256)}):
             return ByteTokenizer()
+        if model.get("type") == "WordLevel" and (spec.get("decoder") or {}).get("type") == "Fuse":
+            return CharTokenizer({i: c for c, i in vocab.items()}, vocab)
     except (json.JSONDecodeError, AttributeError):
         pass
     return BPETokenizer.from_file(path)
@@ -348,5 +413,5 @@ def bytes_per_token(tokenizer: Tokenizer, tokens: np.ndarray) -> float | None:
     return n / ids.size if n else None
 
 
-__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "train_bpe", "load_tokenizer", "parse_bpe_spec",
+__all__ = ["Tokenizer", "ByteTokenizer", "CharTokenizer", "BPETokenizer", "train_bpe", "load_tokenizer", "parse_bpe_spec",
            "bytes_per_token", "TOKENIZER_FILE", "EOS"]
