@@ -14,6 +14,7 @@ import json
 import signal
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -29,7 +30,7 @@ from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noq
 from eqgpt.config import scans_by_default
 from eqgpt.data import bytes_per_token, eval_windows, load_corpus
 from eqgpt.data.batch import Batch
-from eqgpt.data.corpus import is_token_file
+from eqgpt.data import ByteTokenizer
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
@@ -39,7 +40,7 @@ from eqgpt.parallel.communication import bucket_report
 from eqgpt.parallel.overlap import set_overlap_flags
 from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
-from eqgpt.sample import generate_text
+from eqgpt.sample import generate_text, on_one_device
 from eqgpt.train import (
     Policy,
     Strategy,
@@ -57,7 +58,8 @@ from eqgpt.train.checkpoint import Checkpointer
 from eqgpt.train.fit import check_fits, largest_batch
 from eqgpt.train.guards import Guard
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
-from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir
+from eqgpt.train.logging import check_tensorboard
+from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir, point_latest
 
 
 @dataclass
@@ -292,9 +294,9 @@ def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):
 
 
 def vocab_size_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus) -> int:
-    """The model's vocabulary: a token file's (flag, sidecar or inferred); for text, --model.vocab-size,
-    else the preset's with bytes, else the tokenizer's. Never below the tokenizer's."""
-    if not is_token_file(cfg.data.corpus):  # text, tokenized here
+    """The model's vocabulary: a token file's or folder's (flag, sidecar, meta.pkl or inferred); for text,
+    --model.vocab-size, else the preset's with bytes, else the tokenizer's. Never below the tokenizer's."""
+    if not corpus.pretokenized:  # text, tokenized here
         vocab = cfg.model.vocab_size or (model_cfg.vocab_size if cfg.data.tokenizer == "bytes" else corpus.vocab_size)
         if vocab < corpus.vocab_size:
             raise ValueError(f"--model.vocab-size {vocab} is below the tokenizer's {corpus.vocab_size} "
@@ -303,22 +305,69 @@ def vocab_size_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus) -> int:
     return corpus.vocab_size  # a token file: load_corpus checked every id against it
 
 
-def tokenizer_decodes(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig) -> bool:
-    """Whether the run's tokenizer decodes the model's ids: not for a token file of ids above 255 whose
-    tokenizer --data.tokenizer does not name (then no samples and no bits per byte)."""
-    return not (is_token_file(cfg.data.corpus) and cfg.data.tokenizer == "bytes" and model_cfg.vocab_size > 256)
+def tokenizer_decodes(corpus, model_cfg: eqgpt.GPTConfig) -> bool:
+    """Whether the run's tokenizer decodes the model's ids: not for token ids above 255 whose tokenizer
+    neither --data.tokenizer nor a meta.pkl names (then no samples and no bits per byte)."""
+    return not (corpus.pretokenized and isinstance(corpus.tokenizer, ByteTokenizer) and model_cfg.vocab_size > 256)
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "model.eqx", "summary.json", "checkpoints")
+
+
+def run_to_continue(cfg: TrainConfig) -> Path | None:
+    """With --resume, the run directory to continue (--out-dir, else the one runs/latest points at);
+    else `None`, after refusing an --out-dir or --checkpoint-dir that holds another run's files."""
+    if cfg.resume:
+        try:
+            out = Path(cfg.out_dir) if cfg.out_dir is not None else latest_run_dir("runs")
+        except FileNotFoundError as e:
+            raise ValueError(f"--resume: {e} Pass --out-dir to name the run to continue.") from None
+        ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
+        if (out / "model.eqx").is_file() and not (ckpt.is_dir() and any(ckpt.iterdir())):
+            raise ValueError(f"--resume: {out} holds a finished run without checkpoints; it cannot be continued, "
+                             "and starting it again would overwrite it: choose a new --out-dir.")
+        return out
+    if cfg.out_dir is not None and any((Path(cfg.out_dir) / f).exists() for f in RUN_FILES):
+        raise ValueError(f"--out-dir {cfg.out_dir} holds another run; add --resume to continue it, or choose "
+                         "a new directory (a run never overwrites another's outputs).")
+    if cfg.checkpoint_dir is not None and Path(cfg.checkpoint_dir).is_dir() and any(Path(cfg.checkpoint_dir).iterdir()):
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds another run's checkpoints; add --resume to "
+                         "continue from them, or choose an empty directory.")
+    return None
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:
-    """--out-dir; else with --resume the run runs/latest points at; else a fresh runs/PRESET-<time>."""
+    """--out-dir (created); else a fresh runs/PRESET-<time>, which runs/latest points at once it trains."""
     if cfg.out_dir is not None:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         return Path(cfg.out_dir)
-    if cfg.resume:
-        try:
-            return latest_run_dir("runs")
-        except FileNotFoundError as e:
-            raise ValueError(f"--resume: {e} Pass --out-dir to name the run to continue.") from None
-    return fresh_run_dir("runs", cfg.model.preset)
+    return fresh_run_dir("runs", cfg.model.preset, latest=False)
+
+
+def finished(cfg: TrainConfig, out: Path) -> dict | None:
+    """With --resume: the summary of a run that has finished --steps (its newest checkpoint at or
+    past them, its outputs written); `None` when there is training left to do."""
+    ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
+    summary = out / "summary.json"
+    if not (ckpt.is_dir() and summary.is_file()):
+        return None
+    done = json.loads(summary.read_text())
+    step = Checkpointer(ckpt).latest_step()
+    if step is None or step < cfg.steps or done.get("interrupted") or "stopped" in done:
+        return None
+    return {**done, "finished": True, "interrupted": False}
+
+
+def earlier_rows(out: Path, step: int) -> list[dict]:
+    """The metrics.jsonl rows before a resume at `step` (its validation at `step` is measured again);
+    the file is cut to them, so that each step is logged once across resumes."""
+    path = out / "metrics.jsonl"
+    if not distributed.is_main_process() or not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["step"] < step or (r["step"] == step and "val_loss" not in r)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
 
 
 def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> None:
@@ -333,21 +382,19 @@ def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) ->
             {"recipe": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg)}, indent=2, default=str))
 
 
-def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> Checkpointer | None:
-    """Checkpoints every --checkpoint-every steps (or only for --resume); `None` without either."""
-    if not (cfg.checkpoint_every or cfg.resume):
-        return None
+def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> Checkpointer:
+    """Checkpoints every --checkpoint-every steps, and always at the end and on SIGTERM/SIGINT."""
     return Checkpointer(cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
                         keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
                         config={"model": model_cfg.architecture(), "data_order": {"seed": cfg.seed},
                                 "recipe": dataclasses.asdict(cfg)})
 
 
-def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: TrainState, log,
-                   loader=None) -> TrainState:
+def starting_state(cfg: TrainConfig, checkpointer: Checkpointer, state: TrainState, log,
+                   loader=None) -> tuple[TrainState, float]:
     """With --resume, the latest good checkpoint restored into this run's layout (any mesh, any
     strategy), and the loader's iterator state with it; else `state`, checked to be the same on
-    every process."""
+    every process. **Returns** it and the seconds trained before."""
     if jax.process_count() > 1:
         distributed.check_replicas_agree(state.model)
     restored = checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh) if cfg.resume else None
@@ -355,12 +402,12 @@ def starting_state(cfg: TrainConfig, checkpointer: Checkpointer | None, state: T
         log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
         if loader is not None and "data" in restored.extras:
             loader.restore(restored.extras["data"])
-        return restored.state
+        return restored.state, float(restored.extras.get("seconds", 0.0))
     if cfg.resume:  # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
         traces = checkpointer.traces()
         log(f"--resume: no complete checkpoint in {checkpointer.directory}"
             + (f" (traces: {', '.join(traces)})" if traces else "") + "; starting at step 0")
-    return state
+    return state, 0.0
 
 
 def check_fault_flags(cfg: TrainConfig) -> None:
@@ -371,12 +418,41 @@ def check_fault_flags(cfg: TrainConfig) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} applies to --resume only; add --resume or drop it.")
 
 
+def check_run_flags(cfg: TrainConfig) -> None:
+    """Refuse counts, directories and optional packages the run cannot use, naming the flag, before
+    anything is written or compiled."""
+    at_least = {"steps": 1, "accum_steps": 1, "log_every": 1, "checkpoint_keep": 1, "checkpoint_every": 0,
+                "eval_every": 0, "eval_windows": 0, "sample_tokens": 0}
+    if cfg.batch_size != "auto":
+        at_least["batch_size"] = 1
+    for name, low in at_least.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}.")
+    for name in ("out_dir", "checkpoint_dir"):
+        path = getattr(cfg, name)
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
+    if cfg.log == "tensorboard":
+        check_tensorboard()
+    check_fault_flags(cfg)
+
+
+def check_prompts(cfg: TrainConfig, tok) -> None:
+    """Refuse --sample-prompts the corpus's tokenizer cannot encode (before training, not after)."""
+    for prompt in cfg.sample_prompts if cfg.sample_tokens else ():
+        try:
+            tok.encode(prompt)
+        except ValueError as e:
+            raise ValueError(f"--sample-prompts {prompt!r}: {e}") from None
+
+
 def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> list[str]:
     """Generate from --sample-prompts with the trained model (KV cache, one device's view)."""
     n_new = min(cfg.sample_tokens, model_cfg.seq_len - max((len(tok.encode(p)) for p in cfg.sample_prompts), default=0))
     if n_new < 1:
         return []
-    return [generate_text(state.model, tok, p, n_new, key=jax.random.fold_in(state.rng, i))[0]
+    model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
+    return [generate_text(model, tok, p, n_new, key=jax.random.fold_in(state.rng, i))[0]
             for i, p in enumerate(cfg.sample_prompts)]
 
 
@@ -385,12 +461,12 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
     if trainer.fault is not None:  # non-finite or diverged: the last good state is saved; nothing to export
-        summary.update(stopped=trainer.fault.reason, exit_code=trainer.fault.code, seconds=time.perf_counter() - t0)
+        summary.update(stopped=trainer.fault.reason, exit_code=trainer.fault.code, seconds=trainer.seconds_before + time.perf_counter() - t0)
         if is_main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
-        summary["seconds"] = time.perf_counter() - t0
+        summary["seconds"] = trainer.seconds_before + time.perf_counter() - t0
         if is_main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
             print(f"stopped at step {summary['steps']} by SIGTERM; rerun with --resume to continue "
@@ -400,11 +476,11 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     save_model(out, state.model)
     if is_main:
         corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
-    samples = sample(cfg, state, model_cfg, corpus.tokenizer) if tokenizer_decodes(cfg, model_cfg) else []
+    samples = sample(cfg, state, model_cfg, corpus.tokenizer) if tokenizer_decodes(corpus, model_cfg) else []
     trainer.log_samples(summary["steps"], samples)
     _, vals = trainer.history.series("val_loss")
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
-                   seconds=time.perf_counter() - t0, samples=samples)
+                   seconds=trainer.seconds_before + time.perf_counter() - t0, samples=samples)
     if is_main:
         plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
         (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
@@ -501,35 +577,32 @@ def main(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
+    check_run_flags(cfg)
+    resumed = run_to_continue(cfg)
+    if resumed is not None and (done := finished(cfg, resumed)) is not None:
+        log(f"run {resumed} has finished its {done['steps']} steps; nothing to do, nothing changed "
+            f"(--steps N above {done['steps']} trains on)")
+        return done
     model_cfg = cfg.model.build()
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
     corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
                          min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
                          tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
     model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
+    check_prompts(cfg, corpus.tokenizer)
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     if cfg.batch_size != "auto":
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
-    if (buckets := bucket_report(strategy, model_like)) is not None:
-        log(buckets)
-    check_fault_flags(cfg)
     state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
     cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # before any file
-    out = run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
-    log(f"run directory: {out}")
-    if compile_cache is not None:
-        log(f"compilation cache: {compile_cache} (a second start reads its programs; --no-compile-cache: off)")
-    if strategy.pipeline is not None:
-        log(describe_stages(strategy, model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)))
-    if not tokenizer_decodes(cfg, model_cfg):
-        log(f"{cfg.data.corpus} holds ids up to vocab {model_cfg.vocab_size} and --data.tokenizer names no tokenizer "
-            "for them: no samples or bits per byte (pass the tokenizer.json or GPT-2 vocab.json that made the file)")
+    out = resumed or run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
+    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
     write_run_config(cfg, model_cfg, out)
     checkpointer = make_checkpointer(cfg, model_cfg, out)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch), docs=corpus.train_docs)
-    state = starting_state(cfg, checkpointer, state, log, loader)
+    state, seconds = starting_state(cfg, checkpointer, state, log, loader)
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
     if compiled is not None and cfg.data.mode == "windows" and not (cfg.report or cfg.estimate):  # no 2nd compile
@@ -541,7 +614,6 @@ def main(cfg: TrainConfig) -> dict:
     log(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
         f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len}, {kernel_choice(model_cfg, policy)} | corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
         f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
-
     val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows) if cfg.eval_windows else None
     trainer = Trainer(
         step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer, val_windows=val,
@@ -549,16 +621,66 @@ def main(cfg: TrainConfig) -> dict:
                              progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
                              max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
                              divergence_window=cfg.divergence_window,
-                             bytes_per_token=None if val is None or not tokenizer_decodes(cfg, model_cfg) else bytes_per_token(corpus.tokenizer, val[:, 1:])),
+                             bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg) else bytes_per_token(corpus.tokenizer, val[:, 1:])),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )
+    trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
+    if resumed is None and cfg.out_dir is None:
+        point_latest(out)  # runs/latest: only a run that trains
     return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
+
+
+def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy, model_like, model_cfg, corpus, log):
+    """What the run is about to do: its directory, cache, buckets, pipeline stages, corpus notes."""
+    log(f"run directory: {out}")
+    if compile_cache is not None:
+        log(f"compilation cache: {compile_cache} (a second start reads its programs; --no-compile-cache: off)")
+    if (buckets := bucket_report(strategy, model_like)) is not None:
+        log(buckets)
+    if strategy.pipeline is not None:
+        log(describe_stages(strategy, model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)))
+    for note in corpus.notes:
+        log(note)
+    if not tokenizer_decodes(corpus, model_cfg):
+        log(f"{cfg.data.corpus} holds ids up to vocab {model_cfg.vocab_size} and --data.tokenizer names no tokenizer "
+            "for them: no samples or bits per byte (pass the tokenizer.json or GPT-2 vocab.json that made the file)")
+
+
+def config_from_json(cls, data: dict):
+    """A (nested) config dataclass from its `dataclasses.asdict` JSON (unknown keys dropped)."""
+    hints, kwargs = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            value = config_from_json(hint, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        elif isinstance(value, str) and Path in (hint, *typing.get_args(hint)):
+            value = Path(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def parse_flags(args: list[str] | None = None) -> TrainConfig:
+    """The command line; with --resume, flags left out default to the continued run's (its config.json)."""
+    cfg = tyro.cli(TrainConfig, args=args)
+    if not cfg.resume:
+        return cfg
+    try:
+        saved = run_to_continue(cfg) / "config.json"
+    except ValueError:
+        return cfg  # main says why
+    if not saved.is_file():
+        return cfg
+    return tyro.cli(TrainConfig, args=args, default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
 
 
 if __name__ == "__main__":
     restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
     try:
-        summary = main(tyro.cli(TrainConfig))
+        summary = main(parse_flags())
     except ValueError as e:  # a configuration this run cannot use: say what to change, no traceback
         sys.exit(f"error: {e}")
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))

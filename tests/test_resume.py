@@ -130,3 +130,82 @@ def test_elastic_resume(reference):
         np.testing.assert_allclose(losses(t), ref["losses"][10:], rtol=2e-5)
         for a, b in zip(arrays(final), ref["final"], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # Adam amplifies noise on ~0 gradients
+
+
+# --- the recipe: a stopped run continues exactly, a finished one is left alone ------------------------
+
+from recipe_runs import TINY, load_recipe, write_documents  # noqa: E402
+
+RUN = [*TINY, "--steps", "12", "--log-every", "4", "--eval-every", "6", "--sample-tokens", "6"]
+
+
+def _recipe_run(tmp_path, name, extra=()):
+    """`train_gpt.py` as a user types it (flags parsed as on the command line), in this process."""
+    recipe = load_recipe()
+    args = [*RUN, "--data.corpus", str(tmp_path / "docs"), "--data.cache-dir", str(tmp_path / "cache"),
+            "--out-dir", str(tmp_path / name), *extra]
+    return recipe.main(recipe.parse_flags(args))
+
+
+def _checksums(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _train_rows(out: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+def test_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Default flags but a tiny model: SIGINT at step 7 (with --checkpoint-every 0, Grain threads on),
+    then --resume ending bitwise where an uninterrupted run ends; metrics hold each step once."""
+    assert threading.current_thread() is threading.main_thread(), "SIGINT needs the main thread"
+    write_documents(tmp_path / "docs")
+    recipe = load_recipe()
+    assert _recipe_run(tmp_path, "straight")["steps"] == 12
+
+    make_loader = recipe.make_loader
+
+    def interrupting_loader(*args, **kwargs):
+        loader = make_loader(*args, **kwargs)
+        fetch = loader.local_batch
+        loader.local_batch = lambda step: (os.kill(os.getpid(), signal.SIGINT) if step == 6 else None, fetch(step))[1]
+        return loader
+
+    monkeypatch.setattr(recipe, "make_loader", interrupting_loader)
+    stopped = _recipe_run(tmp_path, "cut")
+    monkeypatch.setattr(recipe, "make_loader", make_loader)
+    assert stopped["interrupted"] and stopped["steps"] == 7
+    resumed = recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "cut")]))  # flags: the run's
+    assert resumed["steps"] == 12 and not resumed["interrupted"]
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert (cut / "model.eqx").read_bytes() == (straight / "model.eqx").read_bytes()
+    assert _train_rows(cut) == _train_rows(straight)  # steps 1, 4, 7 (at the stop), 8, 12: each once
+    vals = [r["step"] for r in map(json.loads, (cut / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert vals == [0, 6, 7, 12]  # the stop validated step 7 again, once
+    assert resumed["first_val_loss"] == json.loads((straight / "summary.json").read_text())["first_val_loss"]
+    assert (cut / "samples.txt").read_text() == (straight / "samples.txt").read_text()
+
+    # A finished run: --resume changes nothing; --steps 14 trains on from step 12.
+    before = _checksums(cut)
+    again = recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(cut)]))
+    assert again["finished"] and _checksums(cut) == before
+    more = recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(cut), "--steps", "14"]))
+    assert more["steps"] == 14
+    steps = [r[0] for r in _train_rows(cut)]
+    assert steps == sorted(set(steps)) and steps[-1] == 14
+
+
+def test_a_new_run_never_overwrites_another(tmp_path):
+    write_documents(tmp_path / "docs")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.eqx").write_bytes(b"a trained model")
+    with pytest.raises(ValueError, match="--out-dir .* holds another run; add --resume"):
+        _recipe_run(tmp_path, "run")
+    with pytest.raises(ValueError, match="holds a finished run without checkpoints"):
+        _recipe_run(tmp_path, "run", ["--resume"])
+    assert [p.name for p in out.iterdir()] == ["model.eqx"]

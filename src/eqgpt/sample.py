@@ -168,6 +168,22 @@ def generate(
                      None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
 
 
+def on_one_device(model: GPT) -> GPT:
+    """`model` gathered onto this process's first device, with its MoE layers dispatching
+    locally: what `generate` runs on whatever mesh and strategy trained it (every process
+    of a multi-process run must call it; each gets the whole model)."""
+    from eqgpt.nn.moe import LocalExperts
+    from eqgpt.parallel.expert import use_dispatch
+
+    arrays, static = eqx.partition(model, eqx.is_array)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        arrays = multihost_utils.process_allgather(arrays, tiled=True)
+    arrays = jax.device_put(jax.device_get(arrays), jax.local_devices()[0])
+    return use_dispatch(eqx.combine(arrays, static), LocalExperts())
+
+
 def _cut(text: str, start: int, stops: Sequence[str]) -> str:
     """`text` up to the first stop string after `start` (the prompt), the stop string excluded."""
     ends = [i for s in stops if (i := text.find(s, start)) >= 0]

@@ -26,11 +26,9 @@ class TensorBoardWriter:
     """Scalars and text as TensorBoard events in `logdir`."""
 
     def __init__(self, logdir: str | Path, *, bytes_per_token: float = 1.0):
-        try:
-            from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: F401
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError as e:
-            raise ValueError("--log tensorboard needs the tensorboard package: pip install 'eqgpt[tensorboard]'.") from e
+        check_tensorboard()
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
         Path(logdir).mkdir(parents=True, exist_ok=True)
         self.logdir = Path(logdir)
         self.bytes_per_token = bytes_per_token
@@ -71,6 +69,15 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def check_tensorboard() -> None:
+    """**Raises** `ValueError` naming the install command when the tensorboard package is missing."""
+    try:
+        from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: F401
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
+    except ImportError as e:
+        raise ValueError("--log tensorboard needs the tensorboard package: pip install 'eqgpt[tensorboard]'.") from e
 
 
 def make_writer(kind: LogKind, out_dir: str | Path | None, *, is_main: bool = True) -> TensorBoardWriter | None:

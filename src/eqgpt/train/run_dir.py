@@ -13,12 +13,13 @@ import numpy as np
 LATEST = "latest"
 
 
-def fresh_run_dir(root: str | Path, name: str) -> Path:
-    """Create `root/name-<local time>` (with `-2`, `-3`, ... if that exists) and point
-    `root/latest` at it. Every process of a multi-process run gets the same directory:
-    process 0 chooses it.
+def fresh_run_dir(root: str | Path, name: str, *, latest: bool = True) -> Path:
+    """Create `root/name-<local time>` (with `-2`, `-3`, ... if that exists) and, with
+    `latest`, point `root/latest` at it. Every process of a multi-process run gets the same
+    directory: process 0 chooses it.
 
-    **Arguments:** `root` (the runs directory), `name` (the run's prefix, e.g. the preset).
+    **Arguments:** `root` (the runs directory), `name` (the run's prefix, e.g. the preset),
+    `latest` (`False`: leave `root/latest` alone; `point_latest` later, once the run trains).
 
     **Returns:** the new directory.
     """
@@ -34,11 +35,19 @@ def fresh_run_dir(root: str | Path, name: str) -> Path:
     out = _named(root, name, stamp, suffix)
     if jax.process_index() == 0:
         out.mkdir(parents=True)
-        link = root / LATEST
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(out.name, target_is_directory=True)  # relative: the runs directory can move
+        if latest:
+            point_latest(out)
     return out
+
+
+def point_latest(run: str | Path) -> None:
+    """Point `latest` beside `run` at it (process 0 only; relative, so the runs directory can move)."""
+    if jax.process_index() != 0:
+        return
+    link = Path(run).parent / LATEST
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(run).name, target_is_directory=True)
 
 
 def latest_run_dir(root: str | Path) -> Path:

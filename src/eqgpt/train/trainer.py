@@ -201,6 +201,8 @@ class Trainer:
         self._val = (None if val_windows is None
                      else eval_batches(val_windows, config.eval_batch_size, placement.batch_divisor))
         self.history = History()
+        self.seconds_before = 0.0  # training time of earlier sessions of a resumed run (checkpointed)
+        self._t_begin = time.perf_counter()
         self.interrupted = False
         self.guard = Guard(config.max_skipped, config.divergence_factor, config.divergence_window)
         self.fault: Stop | None = None
@@ -246,7 +248,7 @@ class Trainer:
         bar = _Progress(cfg.steps, start, cfg.progress and self.is_main, quiet=not self.is_main)
         pending: tuple[int, dict[str, Array]] | None = None
         mark_step, mark_time = start, None
-        t_begin = time.perf_counter()
+        t_begin = self._t_begin = time.perf_counter()
         profile = None
         if cfg.profile_steps is not None:
             from eqgpt.profile.trace import ProfileWindow
@@ -333,8 +335,13 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(
                 step, self.state, force=force,
-                extras={"data": self.loader.state(step)},  # a batch is f(seed, step); Grain's iterator state
+                extras={"data": self.loader.state(step),  # a batch is f(seed, step); Grain's iterator state
+                        "seconds": self.seconds()},
             )
+
+    def seconds(self) -> float:
+        """Training time so far, earlier sessions of a resumed run included."""
+        return self.seconds_before + time.perf_counter() - self._t_begin
 
     def _eval_row(self, step: int, bar: _Progress, t_begin: float):
         val = self.validate(self.state.model)
