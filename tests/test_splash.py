@@ -131,10 +131,13 @@ def test_auto_picks_splash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
     assert eqgpt.GPTConfig().attention_kernel == "auto"
 
 
-@pytest.mark.parametrize("mesh,rules", [("fsdp=4,tensor=2", "fsdp+tp"), ("data=8", "dp")])
-def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules):
-    """The kernel maps itself over the mesh (GSPMD cannot split a Pallas call): fp32 gradients,
-    leaf by leaf, equal one device's (measured differences <= 4e-8)."""
+@pytest.mark.parametrize("mesh,rules,parts", [("fsdp=4,tensor=2", "fsdp+tp", {}), ("data=8", "dp", {}),
+                                               ("pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2})],
+                         ids=["fsdp4-tp2", "dp8", "pipeline2-dp4"])
+def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules, parts):
+    """The kernel maps itself over the mesh (GSPMD cannot split a Pallas call), or runs inside the
+    pipeline's type-checked shard_map: fp32 gradients, leaf by leaf, equal one device's (measured
+    differences <= 4e-8)."""
     import equinox as eqx
 
     from eqgpt.data.batch import Batch
@@ -150,34 +153,34 @@ def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules):
         return float(loss), [np.asarray(x) for x in jax.tree.leaves(g)]
 
     loss1, g1 = grads(Strategy())
-    loss8, g8 = grads(Strategy.parse(mesh, rules))
+    loss8, g8 = grads(Strategy.parse(mesh, rules, **parts))
     assert abs(loss8 - loss1) < 1e-5
     for a, b in zip(g8, g1, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_splash_refuses_a_shard_map_that_checks_types_and_auto_avoids_it():
+def test_splash_inside_a_shard_map_that_checks_types_equals_outside():
+    """Inside `shard_map` (check_vma on) the kernel runs unchecked and types its results itself.
+    k and v are invariant over `data` while q varies: their gradients must still be summed over
+    `data` (a missing sum would give 1/8 of them)."""
     from jax.sharding import PartitionSpec as P
 
     from eqgpt.parallel.mesh import make_mesh
 
     mesh = make_mesh("data=8")
-    q, k, v, _ = inputs()
-    q, k, v = (jnp.tile(x, (4, 1, 1, 1)) for x in (q, k, v))
+    q, k, v, ct = inputs()
     pos = jnp.arange(T)
 
-    def local(name):
-        def f(q, k, v):
-            return get_kernel(name)(q, k, v, mask=CausalMask(), q_pos=pos, k_pos=pos)
-        return jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    def splash(q, k, v):
+        return get_kernel("splash")(q, k, v, mask=CausalMask(), q_pos=pos, k_pos=pos)
 
-    with pytest.raises(ValueError, match="cannot run inside a shard_map"):
-        local("splash")(q, k, v)
-    chosen = []
-
-    def record(x):
-        chosen.append(auto_kernel_name(CausalMask(), T, T, jnp.bfloat16, platform="tpu"))
-        return x
-
-    jax.shard_map(record, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(q)
-    assert chosen == ["blockwise"] and auto_kernel_name(CausalMask(), T, T, jnp.bfloat16, platform="tpu") == "splash"
+    mapped = jax.shard_map(splash, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"))
+    rows = lambda x: jnp.tile(x, (8, 1, 1, 1))  # noqa: E731  (the one k, v row every query row sees)
+    dense = lambda q, k, v: dense_attention(q, rows(k), rows(v), numpy_mask("causal", T)[:1])  # noqa: E731
+    q, ct = jnp.concatenate([q] * 4), jnp.concatenate([ct] * 4)
+    k, v = k[:1], v[:1]
+    got = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(mapped(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(lambda *a: jnp.sum(dense(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+    assert auto_kernel_name(CausalMask(), T, T, jnp.bfloat16, platform="tpu") == "splash"

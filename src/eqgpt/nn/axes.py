@@ -105,3 +105,12 @@ def map_constraints(
     return jax.tree_util.tree_map_with_path(
         lambda p, x: fn(p, x) if is_hook(x) else x, model, is_leaf=is_hook
     )
+
+
+def varying_axes(x: Array) -> frozenset[str]:
+    """The mesh axes over which `x` is varying (inside `shard_map`; empty outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # the attribute's name in JAX <= 0.9
+    if vma is None:
+        vma = aval.mat.varying  # JAX 0.10: "manual axis type"
+    return frozenset(vma)

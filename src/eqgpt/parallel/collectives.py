@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
+from eqgpt.nn.axes import varying_axes  # noqa: F401  (part of this module's API)
+
 AxisName = str | tuple[str, ...]
 
 
@@ -283,10 +285,3 @@ def to_varying(x: PyTree[Array], axis: AxisName) -> PyTree[Array]:
     return jax.tree.map(one, x)
 
 
-def varying_axes(x: Array) -> frozenset[str]:
-    """The mesh axes over which `x` is varying (inside `shard_map`; empty outside)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # the attribute's name in JAX <= 0.9
-    if vma is None:
-        vma = aval.mat.varying  # JAX 0.10: "manual axis type"
-    return frozenset(vma)

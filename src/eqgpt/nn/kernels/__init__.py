@@ -75,9 +75,9 @@ def auto_kernel_name(mask, q_len: int, k_len: int, dtype, platform: str | None =
     """The built-in kernel `auto` runs for these shapes on `platform` (default: JAX's backend)."""
     platform = jax.default_backend() if platform is None else platform
     if platform == "tpu":
-        from eqgpt.nn.kernels.splash import in_manual_region, supports
+        from eqgpt.nn.kernels.splash import supports
 
-        fits = supports(mask, q_len) and supports(mask, k_len) and not in_manual_region()
+        fits = supports(mask, q_len) and supports(mask, k_len)
         return "splash" if fits else "blockwise"
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
