@@ -13,9 +13,7 @@ indexing (key/value heads are never repeated in memory). Here it gets:
 - interpret mode off TPU, so CPU tests run the same kernel.
 
 Inside a `shard_map` that checks varying types (the pipeline's stages, the manual
-path) a Pallas call cannot say how its outputs vary. There the kernel runs in a nested
-`shard_map` over no axes with the check off, and a custom VJP marks its outputs and
-gradients varying as its inputs are (`_checked_region_call`).
+path) a Pallas call cannot say how its outputs vary; `eqgpt.nn.kernels.typed` runs it there.
 
 The mask works on sequence indices: `q_pos` and `k_pos` must be `0..len-1` (self-
 attention over one whole sequence, as training runs it). Context parallelism hands
@@ -37,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh
 from jaxtyping import Array, Float, Int
 
-from eqgpt.nn.axes import varying_axes
+from eqgpt.nn.kernels.typed import in_manual_region, typed_call
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask
 
 LANES = 128  # splash tiles are multiples of the TPU's 128 lanes
@@ -137,54 +135,6 @@ def _local_attention(q, k, v, q_seg, k_seg, *, kind, window, scale):
     return heads_first(out)
 
 
-def in_manual_region() -> bool:
-    """Whether the caller traces inside a `shard_map` (some mesh axes manual)."""
-    return bool(get_abstract_mesh().manual_axes)
-
-
-def _unchecked(f):
-    """`f` in a nested `shard_map` over no axes, with the varying-type check off. Its inputs are
-    multiplied by one first: traced unchecked, the products carry no varying type, so the
-    kernel's (untyped) results and every value `f` differentiates agree."""
-    untyped = lambda x: x * jnp.ones((), x.dtype)  # noqa: E731
-    body = lambda *args: f(*jax.tree.map(untyped, args))  # noqa: E731
-    return jax.shard_map(body, mesh=get_abstract_mesh(), in_specs=P(), out_specs=P(), axis_names=frozenset(),
-                         check_vma=False)
-
-
-def _varying(x, axes: tuple[str, ...]):
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _typed(local, axes, q, k, v, q_seg, k_seg):
-    return _varying(_unchecked(local)(q, k, v, q_seg, k_seg), axes)
-
-
-def _typed_fwd(local, axes, q, k, v, q_seg, k_seg):
-    out, back = _unchecked(lambda q, k, v, qs, ks: jax.vjp(lambda q, k, v: local(q, k, v, qs, ks), q, k, v))(
-        q, k, v, q_seg, k_seg)
-    return _varying(out, axes), back
-
-
-def _typed_bwd(local, axes, back, g):
-    grads = _unchecked(lambda back, g: back(g))(back, g)
-    return (*(_varying(d, axes) for d in grads), None, None)
-
-
-_typed.defvjp(_typed_fwd, _typed_bwd)
-
-
-def _checked_region_call(local, q, k, v, q_seg, k_seg):
-    """`local` inside a `shard_map` that checks varying types: outputs and gradients varying over
-    every axis an input varies over. The inputs are made so first, outside the custom VJP, so
-    that autodiff still sums the gradient of an input invariant over an axis."""
-    axes = tuple(sorted(frozenset().union(*(varying_axes(x) for x in (q, k, v)))))
-    q, k, v = (_varying(x, axes) for x in (q, k, v))
-    return _typed(local, axes, q, k, v, q_seg, k_seg)
-
-
 def _mesh_split(batch: int, heads: int, kv_heads: int):
     """The automatic mesh axes to split over (batch axes, heads axis), or `None` outside a mesh."""
     mesh = get_abstract_mesh()
@@ -232,7 +182,7 @@ def splash_attention(
     split = _mesh_split(b, h, g)
     if split is None:
         if in_manual_region():
-            return _checked_region_call(local, q, k, v, q_seg, k_seg)
+            return typed_call(local, (q, k, v), (q_seg, k_seg))
         return local(q, k, v, q_seg, k_seg)
     mesh, rows, heads, axes = split
     x, seg = P(rows, None, heads, None), P(rows, None)
@@ -240,4 +190,4 @@ def splash_attention(
                            check_vma=False)
     return mapped(q, k, v, q_seg, k_seg)
 
-__all__ = ["splash_attention", "Blocks", "block_sizes", "supports", "in_manual_region"]
+__all__ = ["splash_attention", "Blocks", "block_sizes", "supports"]
