@@ -97,3 +97,10 @@ def test_overlap_benchmark_prints_both_settings_with_the_same_bytes(capsys):
     assert [r[1].strip() for r in rows] == ["off", "on"]
     kib = [float(r[4]) for r in rows]
     assert abs(kib[0] - kib[1]) <= 0.01 * kib[0]
+
+
+def test_grouped_matmul_speed_prints_both_kernels_on_cpu_when_asked(capsys):
+    assert load("grouped_matmul_speed").main(["--cpu", "--tokens", "128", "--experts", "4", "--embed", "128",
+                                              "--hidden", "128", "--repeats", "1"]) == 0
+    header, row = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert header.split() == ["experts", "ragged_dot", "megablox"] and len(row.split()) == 3

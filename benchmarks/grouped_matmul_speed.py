@@ -1,0 +1,79 @@
+"""Grouped matmul forward + backward time: `ragged_dot` against the Pallas `megablox` kernel.
+
+One expert MLP's up projection and down projection over `--tokens * --top-k` rows sorted by
+expert, with the rows spread over the experts as a router would (multinomial around uniform,
+`--skew` shifting load to expert 0). Each cell is the median of `--repeats` calls of one
+compiled `value_and_grad`, in ms. The `auto` choice (`eqgpt.nn.kernels.grouped`) follows it.
+
+    python benchmarks/grouped_matmul_speed.py                      # TPU: GPT-2-small-width MoE
+    python benchmarks/grouped_matmul_speed.py --cpu --tokens 512   # a check of this script
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqgpt.nn.kernels.grouped import grouped_matmul
+
+
+def expert_mlp_time(kernel: str, rows: int, embed: int, hidden: int, sizes: np.ndarray, dtype, repeats: int) -> float:
+    """Median seconds of forward + backward of `down(gelu(up(x)))` grouped by expert."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (rows, embed), dtype)
+    up = jax.random.normal(ks[1], (len(sizes), embed, hidden), dtype) * embed**-0.5
+    down = jax.random.normal(ks[2], (len(sizes), hidden, embed), dtype) * hidden**-0.5
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+
+    def loss(x, up, down):
+        h = jax.nn.gelu(grouped_matmul(x, up, group_sizes, kernel=kernel))
+        return jnp.sum(grouped_matmul(h, down, group_sizes, kernel=kernel).astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    jax.block_until_ready(step(x, up, down))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(x, up, down))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--experts", default="8,16,64", help="comma-separated expert counts")
+    p.add_argument("--embed", type=int, default=768)
+    p.add_argument("--hidden", type=int, default=1536, help="one expert's width")
+    p.add_argument("--skew", type=float, default=0.0, help="extra share of the rows on expert 0")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--cpu", action="store_true", help="run without an accelerator (a check of this script)")
+    args = p.parse_args(argv)
+    device = jax.devices()[0]
+    if device.platform == "cpu" and not args.cpu:
+        print("no accelerator here: pass --cpu (with a small --tokens) to check the script.")
+        return 0
+    dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
+    rows = args.tokens * args.top_k
+    print(f"expert MLP forward + backward, {rows} rows ({args.tokens} tokens x top-{args.top_k}), "
+          f"{args.embed} -> {args.hidden} -> {args.embed}, {jnp.dtype(dtype).name}; {device.device_kind}; "
+          f"jax {jax.__version__}; median of {args.repeats}, ms")
+    print(f"{'experts':>8}{'ragged_dot':>12}{'megablox':>12}")
+    for e in (int(n) for n in args.experts.split(",")):
+        share = np.full(e, (1 - args.skew) / e)
+        share[0] += args.skew
+        sizes = np.random.default_rng(0).multinomial(rows, share)
+        cells = [expert_mlp_time(k, rows, args.embed, args.hidden, sizes, dtype, args.repeats) * 1e3
+                 for k in ("ragged_dot", "megablox")]
+        print(f"{e:>8}" + "".join(f"{c:>12.2f}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
