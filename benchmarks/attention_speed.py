@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from eqgpt.nn.kernels import get_kernel, splash
 from eqgpt.nn.mask import CausalMask
+from eqgpt.profile.timing import median_seconds
 
 
 def attention_fn(name: str):
@@ -48,13 +47,7 @@ def time_fwd_bwd(f, shape_q, shape_kv, dtype, repeats: int) -> float:
     k, v = jax.random.normal(ks[1], shape_kv, dtype), jax.random.normal(ks[2], shape_kv, dtype)
     ct = jax.random.normal(ks[3], shape_q, dtype)
     step = jax.jit(jax.grad(lambda q, k, v: jnp.sum((f(q, k, v) * ct).astype(jnp.float32)), argnums=(0, 1, 2)))
-    jax.block_until_ready(step(q, k, v))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(q, k, v))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return median_seconds(step, q, k, v, repeats=repeats)
 
 
 def cell(f, *args) -> str:

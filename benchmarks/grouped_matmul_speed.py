@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eqgpt.nn.kernels.grouped import grouped_matmul
+from eqgpt.profile.timing import median_seconds
 
 
 def expert_mlp_time(kernel: str, rows: int, embed: int, hidden: int, sizes: np.ndarray, dtype, repeats: int) -> float:
@@ -34,14 +34,7 @@ def expert_mlp_time(kernel: str, rows: int, embed: int, hidden: int, sizes: np.n
         h = jax.nn.gelu(grouped_matmul(x, up, group_sizes, kernel=kernel))
         return jnp.sum(grouped_matmul(h, down, group_sizes, kernel=kernel).astype(jnp.float32))
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    jax.block_until_ready(step(x, up, down))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(x, up, down))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return median_seconds(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), x, up, down, repeats=repeats)
 
 
 def main(argv=None) -> int:
