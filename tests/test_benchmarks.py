@@ -104,3 +104,9 @@ def test_grouped_matmul_speed_prints_both_kernels_on_cpu_when_asked(capsys):
                                               "--hidden", "128", "--repeats", "1"]) == 0
     header, row = capsys.readouterr().out.strip().splitlines()[-2:]
     assert header.split() == ["experts", "ragged_dot", "megablox"] and len(row.split()) == 3
+
+
+def test_attention_speed_prints_the_cpu_table_when_asked(capsys):
+    assert load("attention_speed").main(["--cpu", "--seqs", "128", "--tokens", "256", "--repeats", "1"]) == 0
+    header, row = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert header.split() == ["T", "batch", "reference", "blockwise"] and row.split()[:2] == ["128", "2"]
