@@ -114,7 +114,7 @@ class LocalExperts(eqx.Module):
     layout: tuple = eqx.field(static=True, default=("expert", "batch", None, "embed"))
     grouped: bool = eqx.field(static=True, default=True)  # dropless may use the grouped matmul
 
-    def __call__(self, experts: Experts, x: Float[Array, "experts batch slots embed"]):
+    def __call__(self, experts: eqx.Module, x: Float[Array, "experts batch slots embed"]):  # `Experts`, or a parallel form
         return experts(x)
 
 
@@ -326,6 +326,10 @@ def mlp_with_stats(mlp: eqx.Module, x: Array, positions: Array | None = None) ->
         return mlp.with_stats(x, positions)
     with_stats = getattr(mlp, "with_stats", None)
     return with_stats(x) if with_stats is not None else (mlp(x), None)
+
+
+#: The metrics `moe_loss` returns, by name.
+MOE_METRICS = ("moe_balance", "moe_router_z", "moe_drop_rate", "moe_load", "moe_load_max")
 
 
 def moe_loss(

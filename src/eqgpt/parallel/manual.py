@@ -19,7 +19,10 @@ layers are swapped for their tensor-parallel forms (`eqgpt.parallel.tensor`),
 transiently; the model passed in and the gradients returned have the plain
 model's structure. With `collective_matmul` (SP only) each region's all-gather and
 reduce-scatter run as rings interleaved with the matmuls
-(`eqgpt.parallel.collective_matmul`). `manual_grad_fn` plugs into the trainer's
+(`eqgpt.parallel.collective_matmul`). MoE layers run under data and tensor
+parallelism (not SP): their router statistics are summed over the data axes
+before the metrics are formed, and each device's share of the router losses is
+normalised by the whole batch, like the cross-entropy. `manual_grad_fn` plugs into the trainer's
 `grad_fn(model, batch) -> ((loss, aux), grads)` contract; `Strategy(...,
 manual=True)` builds it.
 """
@@ -38,6 +41,8 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
+from eqgpt.nn.loss import add_router_losses
+from eqgpt.nn.moe import MOE_METRICS, MoEStats
 from eqgpt.parallel.buckets import all_reduce_count, bucket_bytes_of, bucketed_all_reduce
 from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
 from eqgpt.parallel.expert import moe_layers
@@ -114,6 +119,7 @@ class _Plan:
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
         self.max_len = getattr(getattr(model_like, "config", None), "seq_len", None)
+        self.aux_keys = ("nll", "z_loss", *(MOE_METRICS if moe_layers(model_like) else ()))
         self.specs = tensor_parallel_specs(model_like, mesh)
         self.array_specs = eqx.filter(self.specs, is_spec, is_leaf=is_spec)
         self.batch_spec = PartitionSpec(self.dp or None, None)
@@ -167,16 +173,35 @@ class _Plan:
         # Leaf layers -> tensor-parallel forms, hooks -> region entries; only inside this trace.
         model = tensor_parallel(model, size=self.tp, axis=TENSOR, sequence_parallel=self.sp, seq_len=batch.shape[1],
                                 collective_matmul=self.collective_matmul)
-        nll, z, _ = vocab_parallel_loss_sums(
+        nll, z, _, stats = vocab_parallel_loss_sums(
             model, batch.tokens, batch.targets, loss_mask=batch.loss_mask, segment_ids=batch.segment_ids,
             chunk_size=self.chunk_size, axis=TENSOR, sequence_parallel=self.sp,
         )
-        return (nll + self.z_loss * z) / count, (nll / count, z / count)
+        router, metrics = self.router_terms(model, stats, batch.shape)
+        return (nll + self.z_loss * z) / count + router, ({"nll": nll / count, "z_loss": z / count}, metrics)
 
-    def finish(self, loss, nll, z):
+    def router_terms(self, model, stats, shape: tuple[int, int]) -> tuple[Array, dict[str, Array]]:
+        """This device's share of the MoE router losses, and the whole batch's router metrics.
+
+        The losses are linear in the statistics' sums, so the shares of the devices' rows
+        (each normalised by the rows and tokens of all devices) add up over the data axes
+        to the whole batch's loss; the metrics (the load's shares and maximum are not
+        linear) come from the statistics summed over the data axes first.
+        """
+        if stats is None:
+            return jnp.float32(0), {}
+        rows = shape[0] * self.dp_size
+        share, _ = add_router_losses(model, jnp.float32(0), {}, stats, rows=rows, tokens=rows * shape[1])
         if self.dp:
-            loss, nll, z = all_reduce((loss, nll, z), self.dp)
-        return loss, {"nll": nll, "z_loss": z}
+            stats = MoEStats(*all_reduce(tuple(stats[:-1]), self.dp), stats.layers)  # layers: per device already
+        _, metrics = add_router_losses(model, jnp.float32(0), {}, stats, rows=rows, tokens=rows * shape[1])
+        return share, metrics
+
+    def finish(self, loss, parts, metrics):
+        """The step's loss and aux: this device's shares summed over the data axes."""
+        if self.dp:
+            loss, parts = all_reduce((loss, parts), self.dp)
+        return loss, {**parts, **metrics}
 
     def local_grad(self, model, batch, scale):
         """Gradients of `loss * scale` (the dynamic loss scale, 1 without it), divided by `scale`."""
@@ -189,17 +214,17 @@ class _Plan:
             loss, aux = self.local_loss(params, static, batch)
             return loss * scale, (loss, aux)
 
-        (_, (loss, (nll, z))), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         grads = reduce_gradients(grads, self.grad_axes, bucket_bytes=self.bucket_bytes)
-        return self.finish(loss, nll, z), unscale(grads, scale)
+        return self.finish(loss, *aux), unscale(grads, scale)
 
     def local_forward(self, model, batch):
         params, static = eqx.partition(model, eqx.is_array)
-        loss, (nll, z) = self.local_loss(params, static, batch)
-        return self.finish(loss, nll, z)
+        loss, aux = self.local_loss(params, static, batch)
+        return self.finish(loss, *aux)
 
     def mapped(self, grad: bool) -> Callable:
-        scalars = (PartitionSpec(), {"nll": PartitionSpec(), "z_loss": PartitionSpec()})
+        scalars = (PartitionSpec(), dict.fromkeys(self.aux_keys, PartitionSpec()))  # whole on every device
         if not grad:
             return filter_shard_map(self.local_forward, mesh=self.mesh, in_specs=(self.specs, self.batch_spec),
                                     out_specs=scalars)
@@ -342,9 +367,10 @@ class ManualPart(Part):
         return Rules(activations={"batch": "data"}, name="manual-batch")
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
-        if moe_layers(model_like):
-            raise ValueError("the manual path does not run MoE layers; drop --manual (the automatic path runs "
-                             "them, and splits their experts with --mesh expert=N).")
+        if moe_layers(model_like) and strategy.sequence_parallel:
+            raise ValueError("the manual path runs MoE layers with data and tensor parallelism, not sequence "
+                             "parallelism (the router needs the whole sequence); use --strategy dp+tp, or drop "
+                             "--manual.")
         tensor = strategy.mesh.shape[TENSOR]
         check_tensor_parallel(model_like, tensor)
         if strategy.sequence_parallel and seq_len % tensor:

@@ -17,6 +17,8 @@ only for the duration of the traced loss (the stored model never changes):
 - with fewer kv heads than devices (GQA), `k_proj`/`v_proj` are replicated and
   become `ReplicatedKVLinear`s that compute the one kv head the device's query
   heads read;
+- an MoE layer's `Experts` become `TensorParallelExperts` (every expert's hidden
+  width split, the partial outputs summed by `g`; not under SP);
 - every activation hook becomes a `TensorRegionHook`, which enters the
   tensor-parallel region where a module says so, `self.shard(x, ("batch",
   "inner_seq", "embed"))`: Megatron's `f` (identity forward, all-reduce
@@ -56,6 +58,7 @@ from eqgpt.nn.axes import REGION_INPUT, AxisNames, map_constraints
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
+from eqgpt.nn.moe import Experts
 from eqgpt.parallel.auto import param_specs, path_str
 from eqgpt.parallel.collective_matmul import (
     column_matmul,
@@ -243,6 +246,33 @@ class ReplicatedKVLinear(eqx.Module):
         return y
 
 
+class TensorParallelExperts(eqx.Module):
+    """An MoE layer's `Experts` with every expert's hidden width split over `axis`.
+
+    Each device holds columns `cols_i` of every expert's `up` (and `gate`) and the
+    matching rows of `down`, so it computes a partial output for every dispatched
+    slot (or grouped row), and `g` sums the partials: one all-reduce of the
+    dispatched tensor per layer forward (`E * capacity` slots per row, or `top_k`
+    rows per token dropless), none backward. The router is replicated and reads the
+    layer's input before its region starts, so every device routes alike.
+    """
+
+    experts: Experts
+    axis: str = eqx.field(static=True)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def __call__(self, x: Float[Array, "experts *slots embed"]) -> Float[Array, "experts *slots embed"]:
+        """**Arguments:** every expert's slots, whole. **Returns:** every expert's output, whole."""
+        return reduce_from_tensor(self.experts(copy_to_tensor(x, self.axis)), self.axis)
+
+    def grouped(self, x: Float[Array, "rows embed"], group_sizes: Int[Array, " experts"]) -> Float[Array, "rows embed"]:
+        """As `Experts.grouped`, on this device's share of the width, the partials summed."""
+        return reduce_from_tensor(self.experts.grouped(copy_to_tensor(x, self.axis), group_sizes), self.axis)
+
+
 # -------------------------------------------------------------------- embeddings
 
 
@@ -366,18 +396,23 @@ def vocab_parallel_loss_sums(
     `loss_mask`, `segment_ids`) of this device's rows, `chunk_size`, the tensor
     `axis` and whether the model was swapped for `sequence_parallel`.
 
-    **Returns:** `(nll_sum, z_sum, count)` over the rows, invariant over the tensor axis.
+    **Returns:** `(nll_sum, z_sum, count, stats)` over the rows, invariant over the tensor
+    axis; `stats` are the MoE router statistics of the rows (`None` for a dense model).
     """
     positions = jnp.arange(tokens.shape[1])
     x = model.embed(tokens, positions)
-    hidden = model.norm(model.run_blocks(x, positions, segment_ids))
+    run = getattr(model, "run_blocks_with_stats", None)
+    x, stats = run(x, positions, segment_ids) if run is not None else (model.run_blocks(x, positions, segment_ids),
+                                                                       None)
+    hidden = model.norm(x)
     hidden = enter_region(hidden, axis, sequence_parallel)
 
     def cross_entropy(logits, y):
         return vocab_parallel_cross_entropy(logits, y, axis_index(axis) * logits.shape[-1], axis)
 
-    return chunked_loss_sums(model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size,
+    sums = chunked_loss_sums(model.logits, hidden, targets, loss_mask=loss_mask, chunk_size=chunk_size,
                              cross_entropy=cross_entropy)
+    return (*sums, stats)
 
 
 # ------------------------------------------------------------------ swapping
@@ -404,9 +439,14 @@ def check_tensor_parallel(module: PyTree, size: int) -> None:
     """
     if size < 1:
         raise ValueError(f"tensor-parallel size must be positive, got {size}.")
-    is_leaf = lambda x: isinstance(x, Attention | Linear | Embedding)  # noqa: E731
+    is_leaf = lambda x: isinstance(x, Attention | Linear | Embedding | Experts)  # noqa: E731
     for path, m in jax.tree_util.tree_flatten_with_path(module, is_leaf=is_leaf)[0]:
         where = path_str(path) or type(m).__name__
+        if isinstance(m, Experts):
+            if m.up.shape[-1] % size:
+                raise ValueError(f"{where}: expert width {m.up.shape[-1]} does not split over {size} "
+                                 f"tensor-parallel devices; choose expert_dim divisible by {size}.")
+            continue
         if isinstance(m, Attention):
             if m.num_heads % size:
                 raise ValueError(
@@ -485,6 +525,11 @@ def tensor_parallel(
                 return ColumnParallelLinear(m, axis, path_str(path), None if m.axes[1] == "vocab" else check)
             if _tp_name(m.axes[0]):
                 return RowParallelLinear(m, axis, sequence_parallel, collective_matmul)
+        elif isinstance(m, Experts):
+            if sequence_parallel:
+                raise ValueError(f"{path_str(path)}: MoE experts run on the manual path without sequence "
+                                 "parallelism only (their router needs the whole sequence); use dp+tp, not sp.")
+            return TensorParallelExperts(m, axis)
         elif _is_vocab_embedding(m):
             return VocabParallelEmbedding(m, axis, size, sequence_parallel)
         elif isinstance(m, Embedding) and sequence_parallel:
@@ -492,7 +537,7 @@ def tensor_parallel(
         return m
 
     module = jax.tree_util.tree_map_with_path(swap_kv, module, is_leaf=lambda x: isinstance(x, Attention))
-    leaf = lambda x: isinstance(x, Linear | Embedding | ReplicatedKVLinear)  # noqa: E731
+    leaf = lambda x: isinstance(x, Linear | Embedding | ReplicatedKVLinear | Experts)  # noqa: E731
     module = jax.tree_util.tree_map_with_path(swap_leaf, module, is_leaf=leaf)
     return map_constraints(module, lambda _path, _hook: TensorRegionHook(axis, sequence_parallel, collective_matmul))
 
@@ -515,7 +560,7 @@ def tensor_parallel_specs(module: PyTree, mesh: Mesh, *, axis: str = "tensor") -
 
 __all__ = [
     "TENSOR_PARALLEL_NAMES", "REGION_INPUT", "copy_to_tensor", "reduce_from_tensor", "enter_region", "exit_region",
-    "TensorRegionHook", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedKVLinear", "kv_replicated",
+    "TensorRegionHook", "TensorParallelExperts", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedKVLinear", "kv_replicated",
     "VocabParallelEmbedding", "SequenceShardEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_loss_sums",
     "check_tensor_parallel", "tensor_parallel", "tensor_parallel_specs",
 ]
