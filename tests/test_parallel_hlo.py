@@ -272,3 +272,19 @@ def test_report_prints_both_tables():
     assert "│ fsdp " in report(compiled, mesh=placement.mesh)
     with pytest.raises(ValueError, match="compiled program"):
         collectives(object())
+
+
+@pytest.mark.parametrize("mesh, rules, rows", [("tensor=4", "tp", 8), ("data=2,tensor=4", "dp+tp", 4)])
+def test_decode_step_collectives_equal_megatrons_count(mesh, rules, rows):
+    """One compiled decode step (benchmarks/decode_collectives.py), batch 8, fp32, L=2, D=32, over
+    4 tensor devices: per layer 2 all-reduces of the new position's [rows, D] (attention out, MLP
+    down); once, the embedding's all-reduce and the greedy pick's all-gathers of each device's
+    (max, id); `rows` per device. By hand: rows * 32 * 4 bytes, and rows * 4 devices * 4 bytes."""
+    from test_benchmarks import load
+
+    bench = load("decode_collectives")
+    act, pick = rows * 32 * 4, rows * 4 * 4
+    want = sorted([("all-reduce", act, 2)] * 2 + [("all-reduce", act, 1)] + [("all-gather", pick, 1)] * 2)
+    model = eqx.filter_jit(lambda k: bench.nn.GPT(bench.SMALL, key=k))(jax.random.key(0))
+    assert bench.measured(model, bench.strategy_of(mesh, rules), 8) == want
+    assert bench.analytic(bench.SMALL, rows, 4) == want
