@@ -199,9 +199,10 @@ class _Plan:
 
     def finish(self, loss, parts, metrics):
         """The step's loss and aux: this device's shares summed over the data axes."""
+        nll, z = parts["nll"], parts["z_loss"]
         if self.dp:
-            loss, parts = all_reduce((loss, parts), self.dp)
-        return loss, {**parts, **metrics}
+            loss, nll, z = all_reduce((loss, nll, z), self.dp)
+        return loss, {"nll": nll, "z_loss": z, **metrics}
 
     def local_grad(self, model, batch, scale):
         """Gradients of `loss * scale` (the dynamic loss scale, 1 without it), divided by `scale`."""
