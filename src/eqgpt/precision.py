@@ -95,15 +95,17 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
         master = to32(params)
         return MasterWeightsState(master, inner.init(master))
 
-    def update(grads, state, params=None):
+    inner = optax.with_extra_args_support(inner)
+
+    def update(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("with_master_weights needs params in update (make_train_step passes them).")
-        updates, inner_state = inner.update(to32(grads), state.inner, state.master)
+        updates, inner_state = inner.update(to32(grads), state.inner, state.master, **extra_args)
         master = optax.apply_updates(state.master, updates)
         out = jax.tree.map(lambda m, p: m - p.astype(jnp.float32) if _is_float(p) else None, master, params)
         return out, MasterWeightsState(master, inner_state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def scale_value(loss_scale) -> Float[Array, ""]:

@@ -145,7 +145,8 @@ class Part:
         return None
 
     def update(self, strategy: Any, update: Update) -> Update:
-        """The optimizer update `(grads, opt_state, params) -> (params, opt_state)` as the part runs it."""
+        """The optimizer update `(grads, opt_state, params, **extra_args) -> (params, opt_state)` as
+        the part runs it (`extra_args`: optax extra arguments, e.g. ZeRO's `norm_fn`)."""
         return update
 
     def __repr__(self) -> str:

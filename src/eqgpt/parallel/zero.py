@@ -33,16 +33,14 @@ Two forms, checked against data parallelism in `tests/test_zero.py`:
   blocks and `all_gather`s the new parameters.
 
 Global-norm clipping inside the manual update must see the *global* norm, not the
-block's: `global_norm` (used by `eqgpt.train.optim`'s clipping) sums the squares of
-the blocks over `data` while `sharded_update_norm` is active.
+block's: the manual update passes `block_norm` to the optimizer's update as its
+`norm_fn` (an optax extra argument, read by `eqgpt.train.optim.clip_by_global_norm`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,31 +183,19 @@ def check_zero(strategy: Any) -> None:
 
 # ------------------------------------------------------------------ global norms of blocks
 
-_NORM_SHARDED: contextvars.ContextVar = contextvars.ContextVar("eqgpt_zero_norm", default=None)
+def block_norm(axis: str, sharded: list[bool]) -> Callable[[PyTree], Array]:
+    """`norm(tree)`: the global L2 norm (fp32) of a tree whose leaves are this device's
+    blocks (`sharded[i]`, squares summed over `axis`) or whole replicated arrays."""
 
+    def norm(tree: PyTree) -> Array:
+        squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+        if len(squares) != len(sharded):
+            raise ValueError(f"block_norm: {len(squares)} arrays, but {len(sharded)} blocks were described.")
+        split = sum((q for q, b in zip(squares, sharded, strict=True) if b), jnp.float32(0.0))
+        whole = sum((q for q, b in zip(squares, sharded, strict=True) if not b), jnp.float32(0.0))
+        return jnp.sqrt(all_reduce(split, axis) + whole)
 
-@contextlib.contextmanager
-def sharded_update_norm(axis: str, sharded: list[bool]) -> Iterator[None]:
-    """While active (inside the manual ZeRO update), `global_norm` of a tree whose leaves
-    are blocks (`sharded[i]`) or whole replicated arrays sums the blocks' squares over `axis`."""
-    token = _NORM_SHARDED.set((axis, list(sharded)))
-    try:
-        yield
-    finally:
-        _NORM_SHARDED.reset(token)
-
-
-def global_norm(tree: PyTree) -> Array:
-    """The L2 norm of all of `tree`'s arrays, in fp32; global over `data` inside the manual ZeRO update."""
-    leaves = jax.tree.leaves(tree)
-    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves]
-    ctx = _NORM_SHARDED.get()
-    if ctx is None or len(ctx[1]) != len(leaves):
-        return jnp.sqrt(sum(squares, jnp.float32(0.0)))
-    axis, sharded = ctx
-    split = sum((s for s, b in zip(squares, sharded, strict=True) if b), jnp.float32(0.0))
-    whole = sum((s for s, b in zip(squares, sharded, strict=True) if not b), jnp.float32(0.0))
-    return jnp.sqrt(all_reduce(split, axis) + whole)
+    return norm
 
 
 # ------------------------------------------------------------------ the update
@@ -219,12 +205,13 @@ def zero_update(update: Update, mesh: Mesh, *, stage: int, rules: Rules, overrid
                 manual: bool = False, axis: str = ZERO_AXIS) -> Update:
     """`update(grads, opt_state, params) -> (params, opt_state)` run as ZeRO `stage` (1 or 2).
 
-    `update` is the plain optimizer update of `make_train_step`. On the automatic
+    `update` is the plain optimizer update of `make_train_step`; it takes optax extra
+    arguments as keywords. On the automatic
     path the gradients (ZeRO-2), the updated blocks and the new optimizer state are
     pinned to `zero_specs` and the new parameters to their own layout. On the
     manual path (`manual=True`; gradients from `manual_zero_grad_fn`, already
     reduce-scattered for ZeRO-2) `update` runs under `shard_map` on each device's
-    blocks and the new blocks are `all_gather`ed.
+    blocks, with `norm_fn=block_norm(...)` for clipping, and the new blocks are `all_gather`ed.
     """
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}.")
@@ -268,8 +255,8 @@ def zero_update(update: Update, mesh: Mesh, *, stage: int, rules: Rules, overrid
             p_blocks = jax.tree.unflatten(pdef, [block(x, d) for x, d in zip(pl, dims, strict=True)])
             g_blocks = jax.tree.unflatten(pdef, gl if stage == 2 else
                                           [block(x, d) for x, d in zip(gl, dims, strict=True)])
-            with sharded_update_norm(axis, [d is not None for d in dims]):
-                new_blocks, new_s = update(g_blocks, s, p_blocks)
+            norm_fn = block_norm(axis, [d is not None for d in dims])
+            new_blocks, new_s = update(g_blocks, s, p_blocks, norm_fn=norm_fn)
             new_p = [all_gather(x, axis, dim=d) if d is not None else x
                      for x, d in zip(jax.tree.leaves(new_blocks), dims, strict=True)]
             return jax.tree.unflatten(pdef, new_p), new_s
@@ -392,4 +379,4 @@ class ZeroPart(Part):
 
 
 __all__ = ["ZeroPart", "ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
-           "global_norm", "sharded_update_norm", "like_params"]
+           "block_norm", "like_params"]

@@ -18,7 +18,6 @@ from eqgpt.nn.axes import LogicalAxes, logical_axes
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.norm import LayerNorm, RMSNorm
-from eqgpt.parallel.zero import global_norm
 from eqgpt.precision import dtype_of
 
 
@@ -57,18 +56,28 @@ def decay_mask(params: PyTree, *, embeddings: bool = False, norms_and_biases: bo
     return jax.tree.map(by_axes, marked, axes, is_leaf=lambda x: isinstance(x, (bool, LogicalAxes)))
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm` (same state, same result) whose norm stays global when
-    the update runs on each device's block of the gradients (the manual ZeRO update,
-    see `eqgpt.parallel.zero.global_norm`)."""
+def global_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of all of `tree`'s arrays, summed in fp32."""
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
-    def update(updates, state, params=None):
-        del params
-        norm = global_norm(updates)
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm` (same state, same scaling) with an explicit norm.
+
+    The norm is `global_norm` (fp32), or the `norm_fn(tree) -> scalar` given to `update`
+    as an optax extra argument (`optax.chain` passes it on). The manual ZeRO update
+    gives one that sums the squares of its blocks over `data` (`eqgpt.parallel.zero.block_norm`).
+    optax's own clipping takes no norm function and sums in the gradients' dtype.
+    """
+
+    def update(updates, state, params=None, *, norm_fn=None, **extra_args):
+        del params, extra_args
+        norm = (global_norm if norm_fn is None else norm_fn)(updates)
         trigger = norm < max_norm
         return jax.tree.map(lambda t: jnp.where(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def make_lr_schedule(

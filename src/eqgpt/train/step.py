@@ -103,9 +103,12 @@ def make_train_step(
     if grad_fn is None:
         grad_fn = strategy.grad_fn(policy, z_loss=z_loss, model_like=model_like)
 
-    def apply_update(grads, opt_state, params):
+    optimizer = optax.with_extra_args_support(optimizer)
+
+    def apply_update(grads, opt_state, params, **extra_args):
+        # extra_args: optax extra arguments from the strategy (ZeRO's `norm_fn`)
         with jax.named_scope("optimizer"):  # named in traces (eqgpt.profile.trace)
-            updates, new_opt = optimizer.update(grads, opt_state, params)
+            updates, new_opt = optimizer.update(grads, opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), new_opt  # p + u in the wider dtype, rounded to p's
 
     update = strategy.sharded_update(apply_update)
