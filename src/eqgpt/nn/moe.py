@@ -16,7 +16,7 @@ Two ways to compute:
   its residual (plus the other experts it got). Tokens are scattered into a dense
   `[experts, batch, C, embed]` tensor, computed, and gathered back.
 - **dropless**: every assignment is computed. Assignments are sorted by expert and
-  each expert runs one matmul over its rows (`jax.lax.ragged_dot`, a grouped matmul).
+  each expert runs one matmul over its rows (a grouped matmul, `eqgpt.nn.kernels.grouped`).
 
 `with_stats` also returns the router's statistics as sums that add up across
 sequences, devices and layers (see `MoEStats`); `moe_loss` turns them into the
@@ -35,6 +35,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqgpt.config import MoEConfig
 from eqgpt.nn.axes import REGION_INPUT, NoConstraint
+from eqgpt.nn.kernels.grouped import grouped_matmul
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mlp import MLP, SwiGLU, gelu_tanh
 
@@ -96,10 +97,10 @@ class Experts(eqx.Module):
         self, x: Float[Array, "rows embed"], group_sizes: Int[Array, " experts"]
     ) -> Float[Array, "rows embed"]:
         """Rows sorted by expert, `group_sizes[e]` of them for expert `e`: each expert's
-        rows through it, as one grouped matmul per weight (`jax.lax.ragged_dot`)."""
-        mm = lambda w: lambda h: jax.lax.ragged_dot(h, w.astype(h.dtype), group_sizes)  # noqa: E731
+        rows through it, as one grouped matmul per weight (`eqgpt.nn.kernels.grouped`)."""
+        mm = lambda w: lambda h: grouped_matmul(h, w, group_sizes)  # noqa: E731
         h = self._act(x, mm(self.up), None if self.gate is None else mm(self.gate))
-        return jax.lax.ragged_dot(h, self.down.astype(h.dtype), group_sizes)
+        return mm(self.down)(h)
 
     def param_axes(self) -> dict[str, tuple[str, ...]]:
         return {"up": ("expert", "embed", "mlp"), "gate": ("expert", "embed", "mlp"),
@@ -310,7 +311,8 @@ class MoE(eqx.Module):
         order = jnp.argsort(flat_e, stable=True)
         rows = jnp.take(x.reshape(b * t, d), order // self.top_k, axis=0)
         sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
-        out = jnp.zeros_like(rows).at[order].set(self.experts.grouped(rows, sizes))  # back in token order
+        done = self.experts.grouped(rows, sizes)
+        out = jnp.zeros_like(done).at[order].set(done)  # back in token order (and typed as the experts' output)
         y = jnp.einsum("nkd,nk->nd", out.reshape(b * t, self.top_k, d), weights.reshape(b * t, -1).astype(x.dtype))
         return y.reshape(b, t, d)
 
