@@ -67,7 +67,7 @@ class DataConfig:
     """Where the text comes from."""
 
     corpus: str = "stdlib"
-    """'stdlib' (this Python's standard library .py files), a directory, a glob such as 'docs/**/*.md', or a .bin (uint16) / .npy token file."""
+    """'stdlib' (this Python's standard library .py files), a directory (hidden and binary files skipped), a glob such as 'docs/**/*.md', one text file (its tail validates), a nanoGPT data folder (train.bin, val.bin, meta.pkl), or a .bin (uint16) / .npy token file."""
     cache_dir: Path | None = None
     """Token cache directory (default: $EQGPT_CACHE or ~/.cache/eqgpt)."""
     val_percent: float = 5.0
@@ -209,13 +209,13 @@ class TrainConfig:
     """Directory of the compilation cache (default: $EQGPT_CACHE/xla, else ~/.cache/eqgpt/xla); at most 4 GiB, least recently used entries evicted."""
     # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
     checkpoint_every: int = 0
-    """Steps between checkpoints (0: none). With checkpoints (or --resume) a run also saves at the end and on SIGTERM/SIGINT. A stopped run exits with status 75 (SIGTERM: at once; Ctrl-C: after its samples and plots)."""
+    """Steps between checkpoints (0: none between). Every run also saves one at the end and on SIGTERM/SIGINT, for --resume. A stopped run exits with status 75 (SIGTERM: at once; Ctrl-C: after its samples and plots)."""
     checkpoint_dir: Path | None = None
     """Checkpoint directory (default: out_dir/checkpoints)."""
     checkpoint_keep: int = 3
     """Newest checkpoints to keep."""
     resume: bool = False
-    """Continue from the latest good checkpoint in checkpoint_dir, on any --mesh and strategy (start at step 0 if the directory holds none; see --allow-fresh). A damaged newest checkpoint is named in a warning and the next older one is used."""
+    """Continue the run in --out-dir (default: the one runs/latest points at) from its latest good checkpoint, on any --mesh and strategy; flags left out take that run's values. A finished run is left unchanged unless --steps asks for more. Starts at step 0 if the directory holds no checkpoint (see --allow-fresh). A damaged newest checkpoint is named in a warning and the next older one is used."""
     # --- faults (docs/checkpointing.md#faults): exit 76 (non-finite) / 77 (diverged) after saving the last good state
     strict: bool = False
     """With --resume: refuse (exit 1) when the newest checkpoint is damaged, instead of falling back to an older one."""
@@ -243,7 +243,7 @@ class TrainConfig:
     z_loss: float = 0.0
     """Weight of the z-loss (mean squared log-partition), 0 to disable."""
     out_dir: Path | None = None
-    """Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model). Default: a fresh runs/PRESET-YYYYmmdd-HHMMSS, with runs/latest pointing at it; with --resume, the run runs/latest points at."""
+    """Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model, checkpoints); one that holds another run is refused without --resume. Default: a fresh runs/PRESET-YYYYmmdd-HHMMSS, which runs/latest points at once it trains; with --resume, the run runs/latest points at."""
     log_every: int = 10
     """Steps between loss read-backs and metric lines."""
     eval_every: int = 100
@@ -265,8 +265,10 @@ class TrainConfig:
 
 
 def strategy_of(cfg: TrainConfig) -> Strategy:
-    """The one object that says how this run is distributed (a single device without --mesh)."""
-    return Strategy.parse(cfg.mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
+    """The one object that says how this run is distributed (without --mesh: one device, or with
+    several processes data parallelism over all their devices)."""
+    mesh = cfg.mesh or ("data=-1" if jax.process_count() > 1 else "")
+    return Strategy.parse(mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
                           virtual_stages=cfg.virtual_stages, pipeline_layers=cfg.pipeline_layers, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
                           offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
                           expert=cfg.expert, collective_matmul=cfg.collective_matmul, bucket_mb=cfg.bucket_mb,
@@ -432,6 +434,9 @@ def check_run_flags(cfg: TrainConfig) -> None:
         path = getattr(cfg, name)
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
+    if cfg.batch_size != "auto" and cfg.batch_size % jax.process_count():
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split over {jax.process_count()} processes (each "
+                         f"loads its share of the rows): use a multiple of {jax.process_count()}.")
     if cfg.log == "tensorboard":
         check_tensorboard()
     check_fault_flags(cfg)
@@ -452,7 +457,8 @@ def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok)
     if n_new < 1:
         return []
     model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
-    return [generate_text(model, tok, p, n_new, key=jax.random.fold_in(state.rng, i))[0]
+    rng = jax.device_put(state.rng.addressable_data(0), jax.local_devices()[0])  # replicated: this process's copy
+    return [generate_text(model, tok, p, n_new, key=jax.random.fold_in(rng, i))[0]
             for i, p in enumerate(cfg.sample_prompts)]
 
 
@@ -605,8 +611,10 @@ def main(cfg: TrainConfig) -> dict:
     state, seconds = starting_state(cfg, checkpointer, state, log, loader)
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
-    if compiled is not None and cfg.data.mode == "windows" and not (cfg.report or cfg.estimate):  # no 2nd compile
-        step_fn = compiled
+    if cfg.data.mode == "windows" and not (cfg.report or cfg.estimate):  # one compile: under jit the step would
+        # compile again at step 2, as the state it returns spells its shardings differently from the placed one
+        windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
+        step_fn = compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()

@@ -256,3 +256,84 @@ def test_token_file_vocabulary_from_flag_sidecar_or_ids(tmp_path):
     np.save(tmp_path / "n.npy", np.array([3, 1, -2, 5] * 50))
     with pytest.raises(ValueError, match="negative token ids.*offset 2"):
         load_corpus(tmp_path / "n.npy")
+
+
+def nanogpt_folder(root, text="First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200):
+    """A shakespeare_char-style folder: uint16 character ids, 90/10 split, meta.pkl of the characters."""
+    import pickle
+
+    root.mkdir(parents=True, exist_ok=True)
+    chars = sorted(set(text))
+    stoi, itos = {c: i for i, c in enumerate(chars)}, dict(enumerate(chars))
+    ids = np.array([stoi[c] for c in text], np.uint16)
+    cut = int(len(ids) * 0.9)
+    ids[:cut].tofile(root / "train.bin")
+    ids[cut:].tofile(root / "val.bin")
+    (root / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": len(chars), "itos": itos, "stoi": stoi}))
+    (root / "prepare.py").write_text("# the script that made it\n")
+    return root, len(chars), cut, len(ids) - cut
+
+
+def test_one_text_file_is_a_corpus_with_its_tail_validating(tmp_path):
+    text = "".join(f"line {i}: {'ab' * (i % 7)}\n" for i in range(400))
+    (tmp_path / "input.txt").write_text(text)
+    c = load_corpus(tmp_path / "input.txt", cache_dir=tmp_path / "cache", val_percent=10, min_tokens=33)
+    train, val = bytes(np.asarray(c.train, np.uint8)), bytes(np.asarray(c.val, np.uint8))
+    assert train + val == text.encode() and val.startswith(b"line ") and train.endswith(b"\n")
+    assert 0.1 <= len(val) / len(text) < 0.12  # the last 10%, from the start of a line
+    (tmp_path / "short.txt").write_text("x = 1\n" * 50)
+    with pytest.raises(ValueError, match=r"corpus file .*short.txt is too small: 300 bytes, 300 tokens"):
+        load_corpus(tmp_path / "short.txt", cache_dir=tmp_path / "cache", min_tokens=33)
+
+
+def test_nanogpt_folder_vocab_validation_and_characters(tmp_path):
+    folder, vocab, n_train, n_val = nanogpt_folder(tmp_path / "shakespeare_char")
+    for source in (folder, folder / "train.bin"):
+        c = load_corpus(source, cache_dir=tmp_path / "cache", min_tokens=33)
+        assert (c.vocab_size, len(c.train), len(c.val)) == (vocab, n_train, n_val) and c.pretokenized
+        assert c.tokenizer.decode(c.train[:15]) == "First Citizen:\n"
+        at = "First Citizen:\nBefore we proceed any further, ".__len__()
+        assert list(c.tokenizer.encode("hear me")) == list(c.train[at : at + 7])
+    with pytest.raises(ValueError, match=r"'Z', 'é' are not in the \d+-character vocabulary"):
+        c.tokenizer.encode("Zé")
+    saved = c.tokenizer.save(tmp_path / "run")
+    from eqgpt.data import CharTokenizer, load_tokenizer
+
+    again = load_tokenizer(tmp_path / "run")
+    assert isinstance(again, CharTokenizer) and again.decode(c.train[:15]) == "First Citizen:\n"
+    from tokenizers import Tokenizer as HF
+
+    assert HF.from_file(str(saved)).decode([int(i) for i in c.train[:15]]) == "First Citizen:\n"
+
+
+class Shell:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned > pwned.txt",))
+
+
+@pytest.mark.parametrize("meta", [Shell(), ["vocab_size", 65], {"vocab_size": 65, "itos": {}, "cmd": "x"},
+                                  {"vocab_size": 3, "itos": {0: "a", 7: "b"}, "stoi": {"a": 0, "b": 7}}])
+def test_other_pickles_are_refused(tmp_path, monkeypatch, meta):
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    folder = nanogpt_folder(tmp_path / "data")[0]
+    (folder / "meta.pkl").write_bytes(pickle.dumps(meta))
+    with pytest.raises(ValueError, match="is not a nanoGPT vocabulary"):
+        load_corpus(folder, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "pwned.txt").exists()
+
+
+def test_directories_skip_binary_files_and_hidden_directories(tmp_path):
+    root = write_corpus(tmp_path / "repo", n_files=6)
+    (root / ".git" / "objects").mkdir(parents=True)
+    (root / ".git" / "objects" / "pack").write_text("a" * 5000)
+    (root / ".env").write_text("SECRET=1")
+    np.arange(300, dtype=np.uint16).tofile(root / "tokens.bin")
+    (root / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    c = load_corpus(root, cache_dir=tmp_path / "cache", val_percent=20)
+    assert sorted(c.train_files + c.val_files) == [f"f{i:02d}.txt" for i in range(6)]
+    assert c.notes == ("corpus " + str(root) + ": skipped 2 binary files (logo.png, tokens.bin), "
+                       "1 hidden directory (.git), 1 hidden file",)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -95,3 +96,56 @@ def test_token_files_set_the_vocab_and_each_default_run_gets_its_own_directory(t
 
 def vars_of(model_config):
     return {k: v for k, v in vars(model_config).items() if k in ("seq_len", "num_layers", "embed_dim", "num_heads")}
+
+
+def test_bad_inputs_leave_no_debris(tmp_path, monkeypatch):
+    """Each bad flag, corpus or missing package stops the run before runs/ changes: runs/latest still
+    points at the last good run. From the command line: one line naming the flag, exit 1."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "good").mkdir(parents=True)
+    (tmp_path / "runs" / "latest").symlink_to("good", target_is_directory=True)
+    (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "tiny.txt").write_text("x = 1\n" * 10)
+    for name in [n for n in sys.modules if n == "tensorboard" or n.startswith("tensorboard.")] + ["tensorboard"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    train = load("train_gpt")
+    small = ["--model.num-layers", "1", "--model.embed-dim", "32", "--model.seq-len", "32", "--no-progress"]
+    bad = {("--steps", "0"): "--steps must be at least 1", ("--batch-size", "0"): "--batch-size must be at least 1",
+           ("--checkpoint-dir", "a-file"): "--checkpoint-dir a-file is a file",
+           ("--log", "tensorboard"): "--log tensorboard needs the tensorboard package",
+           ("--data.corpus", "tiny.txt"): "corpus file tiny.txt is too small: 60 bytes",
+           ("--data.corpus", "missing"): "corpus path 'missing' does not exist"}
+    for flags, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            train.main(train.parse_flags([*small, *flags]))
+        assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["good", "latest"], flags
+        assert (tmp_path / "runs" / "latest").resolve().name == "good"
+    out = subprocess.run([sys.executable, str(RECIPES / "train_gpt.py"), "--steps", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip() == "error: --steps must be at least 1, got 0.", out.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["good", "latest"]
+
+
+def test_nanogpt_folder_trains_with_its_vocabulary_and_samples_characters(tmp_path, capsys):
+    """A shakespeare_char-style folder: vocabulary from meta.pkl, validation on val.bin, samples and
+    sample.py decode its characters; a prompt outside them is refused by name before training."""
+    from test_data import nanogpt_folder
+
+    folder, vocab, _, n_val = nanogpt_folder(tmp_path / "shakespeare_char")
+    train, sample = load("train_gpt"), load("sample")
+    flags = ["--data.corpus", str(folder), "--model.num-layers", "1", "--model.embed-dim", "32", "--model.seq-len", "32",
+             "--steps", "3", "--batch-size", "4", "--eval-windows", "2", "--no-progress", "--peak-flops", "1e9",
+             "--sample-tokens", "8", "--sample-prompts", "Before ", "--out-dir"]
+    with pytest.raises(ValueError, match=r"--sample-prompts 'Zq': 'Z', 'q' are not in the \d+-character"):
+        train.main(train.parse_flags([*flags, str(tmp_path / "bad"), "--sample-prompts", "Zq"]))
+    assert not (tmp_path / "bad").exists()
+    summary = train.main(train.parse_flags([*flags, str(tmp_path / "run")]))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["model"]["vocab_size"] == vocab
+    assert f"0.00M val tokens" in capsys.readouterr().out and n_val < 10_000  # val.bin's
+    chars = set("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    assert summary["samples"][0].startswith("Before ") and set(summary["samples"][0]) <= chars
+    texts = sample.main(sample.SampleConfig(run_dir=tmp_path / "run", prompt="hear ", max_new_tokens=10, num_samples=1))
+    assert texts[0].startswith("hear ") and set(texts[0]) <= chars and len(texts[0]) == 15
+    with pytest.raises(ValueError, match=r"'Z' is not in the \d+-character vocabulary"):
+        sample.main(sample.SampleConfig(run_dir=tmp_path / "run", prompt="Zounds", max_new_tokens=4, num_samples=1))

@@ -169,13 +169,14 @@ def generate(
 
 
 def on_one_device(model: GPT) -> GPT:
-    """`model` gathered onto this process's first device, with its MoE layers dispatching
-    locally: what `generate` runs on whatever mesh and strategy trained it (every process
-    of a multi-process run must call it; each gets the whole model)."""
+    """`model` gathered onto this process's first device, its activation hooks back to no
+    constraint and its MoE layers dispatching locally: what `generate` runs, whatever mesh and
+    strategy trained it (every process of a multi-process run must call it; each gets the whole model)."""
+    from eqgpt.nn.axes import NoConstraint, map_constraints
     from eqgpt.nn.moe import LocalExperts
     from eqgpt.parallel.expert import use_dispatch
 
-    arrays, static = eqx.partition(model, eqx.is_array)
+    arrays, static = eqx.partition(map_constraints(model, lambda _path, _hook: NoConstraint()), eqx.is_array)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

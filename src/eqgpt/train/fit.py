@@ -43,10 +43,10 @@ class DoesNotFit(ValueError):
 
 
 def device_memory(device: jax.Device | None = None) -> int | None:
-    """Bytes of memory of `device` (default: the first), or `None` where the backend does not say."""
+    """Bytes of memory of `device` (default: this process's first), or `None` where the backend does not say."""
     if os.environ.get("EQGPT_DEVICE_MEMORY_GIB"):
         return int(float(os.environ["EQGPT_DEVICE_MEMORY_GIB"]) * GIB)
-    device = jax.devices()[0] if device is None else device
+    device = jax.local_devices()[0] if device is None else device
     stats = device.memory_stats() or {}
     return stats.get("bytes_limit")
 
