@@ -25,6 +25,14 @@ def test_gpt2_small_has_124m_parameters():
     assert count(eqgpt.preset("gpt2-small")) == 124_439_808 + 47 * 768 == 124_475_904
 
 
+def test_gpt2_small_moe_is_active_like_gpt2_small():
+    """8 experts of width 1536, top-2: per token the MLP's 2 x 768 x 3072 weights, plus the router."""
+    from eqgpt.profile.flops import matmul_params
+
+    router = 12 * 768 * 8
+    assert matmul_params(eqgpt.preset("gpt2-small-moe")) == matmul_params(eqgpt.preset("gpt2-small")) + router
+
+
 @pytest.mark.parametrize("name", sorted(eqgpt.PRESETS))
 def test_every_preset_builds_abstractly(name):
     model = eqx.filter_eval_shape(lambda: nn.GPT(eqgpt.preset(name), key=jax.random.key(0)))

@@ -182,6 +182,9 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-medium": GPTConfig(num_layers=24, num_heads=16, embed_dim=1024, **_GPT2),
     "gpt2-large": GPTConfig(num_layers=36, num_heads=20, embed_dim=1280, **_GPT2),
     "gpt2-xl": GPTConfig(num_layers=48, num_heads=25, embed_dim=1600, **_GPT2),
+    # gpt2-small with 8 dropless experts of half its MLP width, top-2: the same active parameters.
+    "gpt2-small-moe": GPTConfig(num_layers=12, num_heads=12, embed_dim=768,
+                                moe=MoEConfig(num_experts=8, top_k=2, expert_dim=1536, dropless=True), **_GPT2),
     # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (shape of a ~1B model).
     "llama-1b": GPTConfig(vocab_size=32000, seq_len=2048, num_layers=16, num_heads=32,
                           num_kv_heads=8, embed_dim=2048, mlp_dim=5632, rope_theta=500000.0, **_LLAMA),
