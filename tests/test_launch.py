@@ -97,3 +97,29 @@ def test_culprit_of_simultaneous_failures():
     assert culprit([(0, 1), (1, -9)]) == (1, -9)
     assert culprit([(2, 1), (1, 3)]) == (1, 3)  # else the lowest rank
     assert culprit([(3, -15), (2, -9)]) == (2, -9)
+
+
+def test_the_help_example_trains_and_a_mismatched_batch_names_the_fix(tmp_path):
+    """The example `--help` prints (no --mesh: data parallel over every process's devices), trimmed
+    to a tiny model; then a global batch the two processes cannot split."""
+    help_text = subprocess.run([*LAUNCH, "--help"], capture_output=True, text=True, timeout=60).stdout
+    example = " ".join(help_text.split("example: ", 1)[1].split())
+    assert example.startswith("python -m eqgpt.launch ") and " -- recipes/train_gpt.py " in example
+    launch_args, recipe_args = example.removeprefix("python -m eqgpt.launch ").split(" -- recipes/train_gpt.py ")
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 300)
+    tiny = ["--model.num-layers", "1", "--model.embed-dim", "32", "--model.seq-len", "32", "--batch-size", "8",
+            "--eval-windows", "2", "--sample-tokens", "4", "--no-progress", "--peak-flops", "1e12",
+            "--data.corpus", str(tmp_path / "corpus"), "--data.cache-dir", str(tmp_path / "cache")]
+    recipe = [*launch_args.split(), "--", str(root / "recipes" / "train_gpt.py"), *recipe_args.split(), *tiny,
+              "--steps", "2"]  # the example's flags, the run trimmed
+    r = run([*recipe, "--out-dir", str(tmp_path / "run")], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Strategy(data=8: dp)" in r.stdout and "[rank 0] done:" in r.stdout
+    assert (tmp_path / "run" / "samples.txt").read_text().count("--- sample") == 3
+    bad = run([*recipe, "--batch-size", "5", "--out-dir", str(tmp_path / "bad")], timeout=300)
+    assert bad.returncode in (100, 101) and "Traceback" not in bad.stdout + bad.stderr  # 100 + the rank blamed
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: --batch-size 5 does not split over 2 processes" in bad.stdout + bad.stderr
+    assert not (tmp_path / "bad").exists()
