@@ -133,6 +133,8 @@ def test_compiled_step_has_four_all_to_alls_per_moe_layer_of_the_analytic_size()
     (["--model.preset", "moe-nano", "--model.capacity-factor", "0"], r"capacity_factor.*--model.capacity-factor"),
     (["--model.preset", "moe-nano", "--mesh", "expert=4,tensor=2", "--strategy", "tp", "--manual"],
      r"drop --manual"),
+    (["--model.preset", "moe-nano", "--mesh", "data=4,tensor=2", "--strategy", "dp+sp", "--manual"],
+     r"MoE layers with data and tensor parallelism, not sequence parallelism"),
 ])
 def test_bad_expert_settings_fail_before_compiling(flags, match, tmp_path):
     args = [*TINY, "--data.corpus", str(write_documents(tmp_path / "docs", n=4)), "--steps", "1",
@@ -140,3 +142,15 @@ def test_bad_expert_settings_fail_before_compiling(flags, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         load_recipe().main(tyro.cli(load_recipe().TrainConfig, args=args))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
+
+
+def test_manual_tensor_parallelism_needs_the_expert_width_to_split():
+    import jax
+
+    from eqgpt.nn import Experts
+    from eqgpt.parallel.tensor import check_tensor_parallel
+
+    experts = Experts(4, 8, 6, key=jax.random.key(0))
+    check_tensor_parallel(experts, 2)
+    with pytest.raises(ValueError, match="expert width 6 does not split over 4 tensor-parallel devices"):
+        check_tensor_parallel(experts, 4)
