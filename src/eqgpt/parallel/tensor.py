@@ -253,8 +253,9 @@ class TensorParallelExperts(eqx.Module):
     matching rows of `down`, so it computes a partial output for every dispatched
     slot (or grouped row), and `g` sums the partials: one all-reduce of the
     dispatched tensor per layer forward (`E * capacity` slots per row, or `top_k`
-    rows per token dropless), none backward. The router is replicated and reads the
-    layer's input before its region starts, so every device routes alike.
+    rows per token dropless); backward, as for an MLP, the region's entry all-reduces
+    the input's gradient. The router is replicated and reads the layer's input before
+    its region starts, so every device routes alike.
     """
 
     experts: Experts
