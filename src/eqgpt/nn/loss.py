@@ -251,6 +251,16 @@ def lm_loss(
     return add_router_losses(model, loss, aux, stats, rows=tokens.shape[0], tokens=tokens.size)
 
 
+def lm_batch_loss(model, batch: Any, *, chunk_size: int = 128, z_loss: float = 0.0):
+    """`lm_loss` of `model` on a batch (an `eqgpt.data.Batch`, or anything with its fields).
+
+    Per-row `batch.positions` (packed documents) feed the position embeddings and RoPE.
+    """
+    return lm_loss(model, batch.tokens, batch.targets, loss_mask=batch.loss_mask,
+                   segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss,
+                   doc_positions=batch.positions)
+
+
 def features_and_stats(model, tokens: Int[Array, "batch seq"], **kwargs) -> tuple[Array, Any]:
     """`model.features(tokens, **kwargs)` and its MoE router statistics (`None` for a model
     without `features_and_stats`, or a dense one)."""

@@ -25,7 +25,14 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from eqgpt.config import GPTConfig
 from eqgpt.nn.axes import REGION_INPUT, LogicalAxes, logical_axes, map_constraints
-from eqgpt.parallel.rules import REPLICATE_IF_INDIVISIBLE, AxisNames, Rules
+from eqgpt.parallel.rules import (
+    REPLICATE_IF_INDIVISIBLE,
+    AxisNames,
+    Rules,
+    entry_axes,
+    is_spec,
+    spec_axes,
+)
 
 Overrides = Mapping[str, Rules] | None
 
@@ -140,8 +147,7 @@ def param_shardings(model: PyTree, mesh: Mesh, rules: Rules, overrides: Override
     """Like `param_specs`, with `NamedSharding(mesh, spec)` at each array leaf."""
     specs = param_specs(model, rules, overrides, mesh=mesh)
     return jax.tree.map(
-        lambda s: NamedSharding(mesh, s) if isinstance(s, PartitionSpec) else s,
-        specs, is_leaf=lambda s: isinstance(s, PartitionSpec),
+        lambda s: NamedSharding(mesh, s) if is_spec(s) else s, specs, is_leaf=is_spec,
     )
 
 
@@ -162,7 +168,7 @@ class ShardingConstraint(eqx.Module):
         if x.ndim != len(names):
             raise ValueError(f"activation of shape {x.shape} given {len(names)} axis names {names}.")
         spec = self.rules.spec(names, "activations", shape=tuple(x.shape), mesh=self.mesh)
-        used = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+        used = set(spec_axes(spec))
         types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
         if any(types[a] == AxisType.Explicit for a in used):
             return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
@@ -299,26 +305,30 @@ def opt_state_shardings(
     (step counts, scalars) is replicated.
     """
     params = eqx.filter(model, _is_array_like)
-    treedef = jax.tree.structure(params)
-    p_shard = jax.tree.leaves(param_shardings(params, mesh, rules, overrides),
-                              is_leaf=lambda s: isinstance(s, NamedSharding))
-    p_shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
-    replicated = NamedSharding(mesh, PartitionSpec())
+    return like_params(opt_state, params, param_shardings(params, mesh, rules, overrides),
+                       NamedSharding(mesh, PartitionSpec()))
 
-    def like_params(x):
+
+def like_params(opt_state: PyTree, params: PyTree, per_param: PyTree, other: Any) -> PyTree:
+    """A tree shaped like `opt_state`: every subtree with the parameters' structure and shapes
+    (Adam's moments, master weights) gets `per_param`'s leaves; every other array gets `other`."""
+    params = eqx.filter(params, _is_array_like)
+    treedef = jax.tree.structure(params)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+    values = jax.tree.leaves(per_param, is_leaf=lambda s: is_spec(s) or isinstance(s, NamedSharding))
+
+    def matches(x):
         try:
             return jax.tree.structure(x) == treedef
         except Exception:  # noqa: BLE001
             return False
 
     def assign(sub):
-        if like_params(sub):
-            leaves = jax.tree.leaves(sub)
-            if [tuple(x.shape) for x in leaves] == p_shapes:
-                return jax.tree.unflatten(treedef, p_shard)
-        return jax.tree.map(lambda x: replicated if _is_array_like(x) else None, sub)
+        if matches(sub) and [tuple(x.shape) for x in jax.tree.leaves(sub)] == shapes:
+            return jax.tree.unflatten(treedef, values)
+        return jax.tree.map(lambda x: other if _is_array_like(x) else None, sub)
 
-    return jax.tree.map(assign, opt_state, is_leaf=lambda x: like_params(x) or _is_array_like(x))
+    return jax.tree.map(assign, opt_state, is_leaf=lambda x: matches(x) or _is_array_like(x))
 
 
 def place_opt_state(
@@ -353,7 +363,7 @@ def batch_sharding(
         raise ValueError(f"batches are [batch] or [batch, seq] arrays; got ndim={ndim}.")
     spec = rules.spec(("batch", "seq")[:ndim], "activations", mesh=mesh)
     if shape is not None:
-        sizes = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else (e or ()))) for e in spec]
+        sizes = [math.prod(mesh.shape[a] for a in entry_axes(e)) for e in spec]
         if shape[0] % sizes[0]:
             raise ValueError(
                 f"batch size {shape[0]} is not divisible by {sizes[0]}, the devices the batch is split over "
@@ -365,7 +375,7 @@ def batch_sharding(
 
 
 def _spec_shards(spec: PartitionSpec, mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for e in spec for a in ((e,) if isinstance(e, str) else (e or ())))
+    return math.prod(mesh.shape[a] for a in spec_axes(spec))
 
 
 def replicated_fraction(model: PyTree, mesh: Mesh, rules: Rules, overrides: Overrides = None) -> float:
@@ -377,8 +387,7 @@ def replicated_fraction(model: PyTree, mesh: Mesh, rules: Rules, overrides: Over
     """
     axes = {a for r in [rules, *(overrides or {}).values()] for a in r.uses("params", mesh)}
     full = math.prod(mesh.shape[a] for a in axes)
-    specs = jax.tree.leaves(param_specs(model, rules, overrides, mesh=mesh),
-                            is_leaf=lambda s: isinstance(s, PartitionSpec))
+    specs = jax.tree.leaves(param_specs(model, rules, overrides, mesh=mesh), is_leaf=is_spec)
     arrays = [x for x in jax.tree.leaves(model) if _is_array_like(x)]
     total = sum(x.size * x.dtype.itemsize for x in arrays)
     if full == 1 or total == 0:
@@ -404,7 +413,7 @@ def check_replication(
         worst = []
         for (path, x), s in zip(
             [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(model)[0] if _is_array_like(x)],
-            jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)), strict=True,
+            jax.tree.leaves(specs, is_leaf=is_spec), strict=True,
         ):
             if _spec_shards(s, mesh) == 1:
                 worst.append((x.size * x.dtype.itemsize, path_str(path)))
@@ -462,5 +471,5 @@ __all__ = [
     "param_specs", "param_shardings", "ShardingConstraint", "with_constraints", "place_model",
     "init_sharded", "lower_init", "opt_state_shardings", "place_opt_state", "init_opt_state_sharded",
     "batch_sharding", "replicated_fraction", "check_replication", "check_divisibility",
-    "rules_for", "path_str",
+    "rules_for", "path_str", "like_params",
 ]

@@ -42,7 +42,7 @@ from jaxtyping import Array, Float, PyTree
 from eqgpt.nn.moe import Experts, LocalExperts, MoE
 from eqgpt.parallel.collectives import all_gather, all_to_all
 from eqgpt.parallel.part import Part
-from eqgpt.parallel.rules import Rules
+from eqgpt.parallel.rules import Rules, entry_axes, is_spec
 
 AXIS = "expert"
 
@@ -107,11 +107,11 @@ class ExpertParallel(eqx.Module):
         def local(p, x_):
             def gather(w, spec):  # FSDP's split of a weight (not the experts' own split)
                 for dim, axes in enumerate(spec):
-                    axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a != AXIS)
+                    axes = tuple(a for a in entry_axes(axes) if a != AXIS)
                     w = all_gather(w, axes, dim=dim) if axes else w
                 return w
 
-            p = jax.tree.map(gather, p, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
+            p = jax.tree.map(gather, p, specs, is_leaf=is_spec)
             return exchange(eqx.combine(p, static), x_)
 
         rows = PartitionSpec(None, self.rows)

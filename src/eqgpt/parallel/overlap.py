@@ -39,6 +39,7 @@ from jaxtyping import Array, PyTree
 
 from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.part import LossFn, Part
+from eqgpt.parallel.rules import entry_axes, is_spec
 
 # Each flag and what it does (the docs print this table). All are XLA GPU options.
 OVERLAP_FLAGS: dict[str, str] = {
@@ -93,7 +94,7 @@ def set_overlap_flags() -> bool:
 
 def _without(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
     def entry(e):
-        kept = tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a not in axes)
+        kept = tuple(a for a in entry_axes(e) if a not in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return PartitionSpec(*(entry(e) for e in spec))
@@ -257,7 +258,6 @@ def install_prefetch(model: PyTree, strategy: Any) -> PyTree:
     axes = prefetch_axes(strategy)
     if not axes or not (hasattr(model, "shard") and hasattr(model, "blocks")):
         return model
-    is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
     specs = param_specs(model, strategy.param_rules, strategy.overrides, mesh=strategy.mesh).blocks
     arrays = jax.tree.leaves(eqx.filter(model.blocks, eqx.is_array))
     specs = [s for s in jax.tree.leaves(specs, is_leaf=is_spec) if is_spec(s)]

@@ -21,7 +21,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 import eqgpt.parallel.auto as auto
 from eqgpt.nn.axes import NoConstraint, map_constraints
-from eqgpt.parallel.rules import Rules, preset_rules
+from eqgpt.parallel.rules import Rules, entry_axes, preset_rules
 
 
 @runtime_checkable
@@ -143,7 +143,7 @@ class ShardedPlacement:
     def batch_divisor(self) -> int:
         """Devices the batch's rows are split over (the `batch` activation rule)."""
         spec = self.rules.spec(("batch",), "activations", mesh=self.mesh)
-        return int(np.prod([self.mesh.shape[a] for a in _entry_axes(spec[0])]))
+        return int(np.prod([self.mesh.shape[a] for a in entry_axes(spec[0])]))
 
     def batch(self, local: PyTree) -> PyTree:
         """Global `jax.Array`s from this process's rows (a `[rows, seq]` array or a pytree of them, e.g. a `Batch`).
@@ -158,7 +158,3 @@ class ShardedPlacement:
             return _global_rows(x, lambda ndim, shape: self.batch_sharding(ndim, shape))
 
         return jax.tree.map(one, local)
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

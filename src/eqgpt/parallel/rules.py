@@ -43,6 +43,21 @@ REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads"})
 _logged: set = set()
 
 
+def is_spec(x: object) -> bool:
+    """Whether `x` is a `PartitionSpec` (the `is_leaf` of trees of specs)."""
+    return isinstance(x, PartitionSpec)
+
+
+def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of one `PartitionSpec` entry: `None` -> `()`, `"data"` -> `("data",)`."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """Every mesh axis `spec` splits over, dimension by dimension."""
+    return tuple(a for e in spec for a in entry_axes(e))
+
+
 def _as_axes(value: MeshAxes, *, where: str) -> tuple[str, ...]:
     if value is None:
         return ()

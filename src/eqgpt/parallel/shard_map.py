@@ -19,15 +19,11 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
 from eqgpt.parallel.auto import param_specs
-from eqgpt.parallel.rules import Rules, preset_rules
-
-
-def is_spec(x: Any) -> bool:
-    return isinstance(x, PartitionSpec)
+from eqgpt.parallel.rules import Rules, is_spec, preset_rules
 
 
 def array_specs(specs: PyTree) -> PyTree:

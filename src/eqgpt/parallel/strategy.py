@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
 from eqgpt.data.batch import Batch
-from eqgpt.nn.loss import lm_loss
+from eqgpt.nn.loss import lm_batch_loss
 from eqgpt.parallel.auto import check_divisibility
 from eqgpt.parallel.communication import CommunicationPart
 from eqgpt.parallel.context.kernel import ContextConfig
@@ -64,16 +64,6 @@ PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart
 # How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
 RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
               "tensor": "add 'tp' or 'sp' to --strategy"}
-
-
-def lm_batch_loss(model: PyTree, batch: Batch, *, chunk_size: int = 128, z_loss: float = 0.0):
-    """`eqgpt.nn.lm_loss` of `model` on a `Batch` (the single-device and automatic-path loss).
-
-    Per-row `batch.positions` (packed documents) feed the position embeddings and RoPE.
-    """
-    return lm_loss(model, batch.tokens, batch.targets, loss_mask=batch.loss_mask,
-                   segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss,
-                   doc_positions=batch.positions)
 
 
 def _first(choices: Iterable[Any], default: Any = None) -> Any:

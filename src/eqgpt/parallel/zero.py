@@ -51,8 +51,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from eqgpt.nn.axes import NoConstraint, map_constraints
-from eqgpt.nn.loss import lm_loss
-from eqgpt.parallel.auto import param_specs
+from eqgpt.nn.loss import lm_batch_loss
+from eqgpt.parallel.auto import _is_array_like, like_params, param_specs
 from eqgpt.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -62,15 +62,11 @@ from eqgpt.parallel.collectives import (
 )
 from eqgpt.parallel.part import GradFn, Part, Update
 from eqgpt.parallel.placement import ShardedPlacement
-from eqgpt.parallel.rules import Rules
-from eqgpt.parallel.shard_map import filter_shard_map, is_spec
+from eqgpt.parallel.rules import Rules, entry_axes, is_spec
+from eqgpt.parallel.shard_map import filter_shard_map
 from eqgpt.precision import Policy, scale_value
 
 ZERO_AXIS = "data"
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def zero_dim(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, axis: str = ZERO_AXIS) -> int | None:
@@ -82,11 +78,11 @@ def zero_dim(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, axis: str 
     """
     n = mesh.shape[axis]
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if n == 1 or any(axis in _entry_axes(e) for e in entries):
+    if n == 1 or any(axis in entry_axes(e) for e in entries):
         return None
     for want_unsplit in (True, False):
         for d, (size, e) in enumerate(zip(shape, entries, strict=True)):
-            split = math.prod(mesh.shape[a] for a in _entry_axes(e))
+            split = math.prod(mesh.shape[a] for a in entry_axes(e))
             if (split == 1) == want_unsplit and size % (split * n) == 0:
                 return d
     return None
@@ -98,7 +94,7 @@ def zero_spec(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, axis: str
     if d is None:
         return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    axes = _entry_axes(entries[d]) + (axis,)
+    axes = entry_axes(entries[d]) + (axis,)
     entries[d] = axes[0] if len(axes) == 1 else axes
     return PartitionSpec(*entries)
 
@@ -114,32 +110,6 @@ def _shardings(mesh: Mesh, specs: PyTree) -> PyTree:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
 
-def _array_like(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def like_params(opt_state: PyTree, params: PyTree, per_param: PyTree, other: Any) -> PyTree:
-    """A tree shaped like `opt_state`: every subtree with the parameters' structure and shapes
-    (Adam's moments, master weights) gets `per_param`'s leaves; every other array gets `other`."""
-    params = eqx.filter(params, _array_like)
-    treedef = jax.tree.structure(params)
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
-    values = jax.tree.leaves(per_param, is_leaf=lambda s: is_spec(s) or isinstance(s, NamedSharding))
-
-    def matches(x):
-        try:
-            return jax.tree.structure(x) == treedef
-        except Exception:  # noqa: BLE001
-            return False
-
-    def assign(sub):
-        if matches(sub) and [tuple(x.shape) for x in jax.tree.leaves(sub)] == shapes:
-            return jax.tree.unflatten(treedef, values)
-        return jax.tree.map(lambda x: other if _array_like(x) else None, sub)
-
-    return jax.tree.map(assign, opt_state, is_leaf=lambda x: matches(x) or _array_like(x))
-
-
 class ZeroPlacement(ShardedPlacement):
     """`ShardedPlacement` whose optimizer state is split over `data` (ZeRO-1/2); parameters
     and batches are placed as the base rules say.
@@ -149,7 +119,7 @@ class ZeroPlacement(ShardedPlacement):
 
     def opt_state_shardings(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """Moments (and master weights) in `zero_specs`; step counts and scalars replicated."""
-        params = eqx.filter(model, _array_like)
+        params = eqx.filter(model, _is_array_like)
         per_param = _shardings(self.mesh, zero_specs(params, self.mesh, self.rules, self.overrides))
         return like_params(opt_state, params, per_param, NamedSharding(self.mesh, PartitionSpec()))
 
@@ -235,7 +205,7 @@ def zero_update(update: Update, mesh: Mesh, *, stage: int, rules: Rules, overrid
     def manual_update(grads, opt_state, params):
         specs = zero_specs(params, mesh, rules, overrides, axis)
         dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
-        if any(_entry_axes(e) for s in jax.tree.leaves(param_specs(params, rules, overrides, mesh=mesh),
+        if any(entry_axes(e) for s in jax.tree.leaves(param_specs(params, rules, overrides, mesh=mesh),
                                                        is_leaf=is_spec) for e in s):
             raise ValueError("the manual ZeRO update supports data parallelism only (replicated parameters); "
                              "combine ZeRO with tp or the pipeline on the automatic path.")
@@ -297,9 +267,7 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
 
         def loss_of(p):
             m = map_constraints(eqx.combine(policy.cast_to_compute(p), static), lambda _p, _h: NoConstraint())
-            loss, aux = lm_loss(m, batch.tokens, batch.targets, loss_mask=batch.loss_mask,
-                                segment_ids=batch.segment_ids, chunk_size=chunk_size, z_loss=z_loss,
-                                doc_positions=batch.positions)
+            loss, aux = lm_batch_loss(m, batch, chunk_size=chunk_size, z_loss=z_loss)
             aux = jax.tree.map(lambda a: a.astype(jnp.float32) * weight, aux)
             loss = loss.astype(jnp.float32) * weight
             return loss * scale, (loss, aux)  # the backward pass runs on the scaled loss
@@ -379,4 +347,4 @@ class ZeroPart(Part):
 
 
 __all__ = ["ZeroPart", "ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
-           "block_norm", "like_params"]
+           "block_norm"]

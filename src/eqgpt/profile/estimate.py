@@ -172,7 +172,7 @@ def estimate(
         shape = dict(data=1, fsdp=1, pipeline=1, context=1, tensor=1)
     else:
         from eqgpt.parallel.auto import param_specs
-        from eqgpt.parallel.shard_map import is_spec
+        from eqgpt.parallel.rules import is_spec
 
         shape = dict(mesh.shape)
         specs = jax.tree.leaves(param_specs(model_like, strategy.param_rules, strategy.overrides, mesh=mesh),

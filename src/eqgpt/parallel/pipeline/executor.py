@@ -99,9 +99,9 @@ from einops import rearrange
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array
 
+from eqgpt.config import MoEConfig
 from eqgpt.data.batch import Batch
 from eqgpt.nn.axes import NoConstraint, map_constraints
-from eqgpt.config import MoEConfig
 from eqgpt.nn.loss import chunked_cross_entropy
 from eqgpt.nn.moe import MoEStats, moe_loss
 from eqgpt.nn.protocol import check_language_model, num_layers
@@ -114,7 +114,12 @@ from eqgpt.parallel.collectives import (
     reduce_scatter,
     to_varying,
 )
-from eqgpt.parallel.pipeline.balance import balanced_layers, check_layers, equal_layers, measure_costs
+from eqgpt.parallel.pipeline.balance import (
+    balanced_layers,
+    check_layers,
+    equal_layers,
+    measure_costs,
+)
 from eqgpt.parallel.pipeline.lowering import (
     ACT_READ,
     ACT_WRITE,
@@ -126,7 +131,7 @@ from eqgpt.parallel.pipeline.lowering import (
     lower,
 )
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
-from eqgpt.parallel.rules import Rules, preset_rules
+from eqgpt.parallel.rules import Rules, entry_axes, is_spec, preset_rules
 from eqgpt.precision import Policy, scale_value, unscale
 from eqgpt.profile.memory import memory
 
@@ -209,13 +214,9 @@ class BatchAxes:
         return PartitionSpec(*lead, *(None if not e else e[0] if len(e) == 1 else e for e in self.dims))
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _batch_axes(spec: PartitionSpec, ndim: int, drop_lead: bool = False) -> BatchAxes:
     entries = tuple(spec) + (None,) * (ndim - len(spec))
-    dims = tuple(tuple(a for a in _axes_of(e) if a in ROW_AXES) for e in entries)
+    dims = tuple(tuple(a for a in entry_axes(e) if a in ROW_AXES) for e in entries)
     return BatchAxes(dims[1:] if drop_lead else dims)
 
 
@@ -263,7 +264,6 @@ def _split_model(model):
 
 def _without_blocks(tree):
     """A model-shaped tree with the `blocks` subtree emptied (all leaves `None`)."""
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     return eqx.tree_at(lambda m: m.blocks, tree, replace_fn=lambda b: jax.tree.map(lambda _: None, b, is_leaf=is_spec))
 
 
