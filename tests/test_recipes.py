@@ -142,7 +142,7 @@ def test_nanogpt_folder_trains_with_its_vocabulary_and_samples_characters(tmp_pa
     summary = train.main(train.parse_flags([*flags, str(tmp_path / "run")]))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["model"]["vocab_size"] == vocab
-    assert f"0.00M val tokens" in capsys.readouterr().out and n_val < 10_000  # val.bin's
+    assert "0.00M val tokens" in capsys.readouterr().out and n_val < 10_000  # val.bin's
     chars = set("First Citizen:\nBefore we proceed any further, hear me speak.\n")
     assert summary["samples"][0].startswith("Before ") and set(summary["samples"][0]) <= chars
     texts = sample.main(sample.SampleConfig(run_dir=tmp_path / "run", prompt="hear ", max_new_tokens=10, num_samples=1))
