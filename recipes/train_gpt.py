@@ -28,9 +28,8 @@ import eqgpt
 from eqgpt import distributed
 from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
 from eqgpt.config import scans_by_default
-from eqgpt.data import bytes_per_token, eval_windows, load_corpus
+from eqgpt.data import ByteTokenizer, bytes_per_token, eval_windows, load_corpus
 from eqgpt.data.batch import Batch
-from eqgpt.data import ByteTokenizer
 from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
@@ -57,8 +56,8 @@ from eqgpt.train import (
 from eqgpt.train.checkpoint import Checkpointer
 from eqgpt.train.fit import check_fits, largest_batch
 from eqgpt.train.guards import Guard
-from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 from eqgpt.train.logging import check_tensorboard
+from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir, point_latest
 
 
