@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -654,12 +653,6 @@ def load_hf_mixtral(path: str | Path, *, strategy=None, dtype=jnp.float32,
 def save_hf_mixtral(model: GPT, directory: str | Path, *, tokenizer=None, dtype=np.float32) -> Path:
     """Write a Mixtral-shaped `model` (Llama-style, MoE in every layer) as a `MixtralForCausalLM` checkpoint."""
     return save_hf(model, directory, tokenizer=tokenizer, family="mixtral", dtype=dtype)
-
-
-def num_bytes(config: GPTConfig, dtype=np.float32) -> int:
-    """Bytes of a model's parameters in `dtype` (for messages and tests)."""
-    abstract = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
-    return sum(math.prod(s) for s in _leaf_shapes(abstract).values()) * np.dtype(dtype).itemsize
 
 
 __all__ = ["load_hf", "load_hf_gpt2", "load_hf_llama", "load_hf_mixtral", "save_hf", "save_hf_gpt2", "save_hf_llama",

@@ -32,10 +32,9 @@ imports nothing of it: no cycle).
 
 from __future__ import annotations
 
-import jax
 from jaxtyping import Array, Shaped
 
-from eqgpt.parallel.collectives import AxisName, all_gather, axis_index, axis_size, reduce_scatter
+from eqgpt.parallel.collectives import AxisName, all_gather, reduce_scatter
 
 
 def gather_sequence(
@@ -56,17 +55,6 @@ def scatter_sequence(x: Shaped[Array, "..."], axis: AxisName, *, dim: int = 1) -
     **Bytes per device:** `(n-1)/n * |[b, T, ...]|`. **Gradient:** all-gather on `seq`.
     """
     return reduce_scatter(x, axis, dim=dim)
-
-
-def shard_sequence(x: Shaped[Array, "batch seq *rest"], axis: AxisName) -> Shaped[Array, "batch seq_shard *rest"]:
-    """This device's contiguous slice of the sequence of an array every device holds whole.
-
-    No communication; the gradient pads the slice's cotangent with zeros.
-    """
-    n = axis_size(axis)
-    check_sequence_length(x.shape[1], n)
-    size = x.shape[1] // n
-    return jax.lax.dynamic_slice_in_dim(x, axis_index(axis) * size, size, axis=1)
 
 
 def check_sequence_length(seq_len: int, size: int) -> None:

@@ -6,10 +6,6 @@ is split with `eqx.partition` into its arrays, which go through `shard_map`, and
 the rest, which is closed over and recombined inside. Results are split the same
 way. Specs are pytrees with a `PartitionSpec` at each array leaf (the shape
 `eqgpt.parallel.param_specs` returns), or one `PartitionSpec` for a whole argument.
-
-Specs from the automatic path's rules: `specs_from_rules(model, rules, mesh)`
-reads the same logical-axis rule sets (`eqgpt.parallel.rules`), so the manual and
-automatic paths agree on who holds what.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from eqgpt.parallel.auto import param_specs
-from eqgpt.parallel.rules import Rules, is_spec, preset_rules
+from eqgpt.parallel.rules import is_spec
 
 
 def array_specs(specs: PyTree) -> PyTree:
@@ -110,17 +105,6 @@ def filter_shard_map(
         return eqx.combine(jax.tree.unflatten(out_def, out_flat), out_static)
 
     return wrapped
-
-
-def specs_from_rules(model: PyTree, rules: Rules | str, mesh: Mesh) -> PyTree:
-    """`PartitionSpec`s for `model`'s arrays from a logical-axis rule set (as the automatic path).
-
-    **Arguments:** `model` (concrete or abstract), `rules` (a `Rules` or strategy
-    string like `"tp"`), `mesh` (size-1 axes are dropped, divisibility checked).
-
-    **Returns:** the model's structure with a `PartitionSpec` at each array leaf.
-    """
-    return param_specs(model, preset_rules(rules), mesh=mesh)
 
 
 def place(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:

@@ -24,8 +24,9 @@ from jaxtyping import Array, PyTree
 from eqgpt.data.batch import Batch
 from eqgpt.data.grain_source import Loader
 from eqgpt.distributed import is_main_process
+from eqgpt.nn.loss import lm_batch_loss
+from eqgpt.parallel.part import LossFn
 from eqgpt.parallel.placement import Placement
-from eqgpt.parallel.strategy import LossFn, Strategy
 from eqgpt.precision import Policy
 from eqgpt.train.guards import Guard, Stop
 from eqgpt.train.logging import make_writer
@@ -78,9 +79,9 @@ class History:
 def make_eval_fn(loss_fn: LossFn | None = None, policy: Policy | None = None) -> Callable:
     """A compiled `eval(model, batch) -> mean loss` (in the compute dtype of `policy`).
 
-    `loss_fn` is a strategy's (`Strategy.loss_fn()`); default the single-device loss.
+    `loss_fn` is a strategy's (`Strategy.loss_fn()`); default `lm_batch_loss`, the single-device loss.
     """
-    loss_fn = Strategy().loss_fn() if loss_fn is None else loss_fn
+    loss_fn = lm_batch_loss if loss_fn is None else loss_fn
 
     @eqx.filter_jit
     def evaluate(model, batch):

@@ -133,7 +133,6 @@ from eqgpt.parallel.pipeline.lowering import (
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules, entry_axes, is_spec, preset_rules
 from eqgpt.precision import Policy, scale_value, unscale
-from eqgpt.profile.memory import memory
 
 _log = logging.getLogger(__name__)
 
@@ -619,7 +618,10 @@ class PipelineGradFn:
 
     def temp_bytes(self, model, batch: Batch) -> int:
         """Per-device temporary memory of the compiled step (`memory_analysis().temp_size_in_bytes`)."""
-        return memory(self.compile(model, batch)).temp_bytes
+        stats = self.compile(model, batch).memory_analysis()
+        if stats is None:
+            raise ValueError("this backend returned no memory analysis for the program.")
+        return stats.temp_size_in_bytes
 
     def report(self, model=None, batch: Batch | None = None) -> str:
         """The bubble of the schedule, and with `model` and `batch` the layers per stage and the compiled temp memory."""
