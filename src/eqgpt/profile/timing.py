@@ -18,3 +18,5 @@ def median_seconds(f, *args, repeats: int = 10) -> float:
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+__all__ = ["median_seconds"]
