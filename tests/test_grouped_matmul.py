@@ -50,7 +50,7 @@ def test_megablox_inside_a_shard_map_that_checks_types():
     xs = jnp.concatenate([x] * 8)
     sizes = jnp.asarray(SIZES)
     mapped = jax.shard_map(lambda x, w: grouped_matmul(x, w, sizes, kernel="megablox"), mesh=mesh,
-                           in_specs=(P("data"), P()), out_specs=P("data"))
+                           in_specs=(P("data"), P()), out_specs=P("data"), axis_names={"data"})
     got = jax.jit(jax.grad(lambda x, w: jnp.sum(mapped(x, w) ** 2), argnums=(0, 1)))(xs, w)
     want = jax.grad(lambda x, w: 8 * jnp.sum(loop_definition(x, w, SIZES) ** 2), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5,

@@ -174,7 +174,8 @@ def test_splash_inside_a_shard_map_that_checks_types_equals_outside():
     def splash(q, k, v):
         return get_kernel("splash")(q, k, v, mask=CausalMask(), q_pos=pos, k_pos=pos)
 
-    mapped = jax.shard_map(splash, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"))
+    mapped = jax.shard_map(splash, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"),
+                           axis_names={"data"})  # a nested shard_map needs an automatic axis left
     rows = lambda x: jnp.tile(x, (8, 1, 1, 1))  # noqa: E731  (the one k, v row every query row sees)
     dense = lambda q, k, v: dense_attention(q, rows(k), rows(v), numpy_mask("causal", T)[:1])  # noqa: E731
     q, ct = jnp.concatenate([q] * 4), jnp.concatenate([ct] * 4)

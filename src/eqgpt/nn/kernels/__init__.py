@@ -76,8 +76,9 @@ def auto_kernel_name(mask, q_len: int, k_len: int, dtype, platform: str | None =
     platform = jax.default_backend() if platform is None else platform
     if platform == "tpu":
         from eqgpt.nn.kernels.splash import supports
+        from eqgpt.nn.kernels.typed import can_call_pallas
 
-        fits = supports(mask, q_len) and supports(mask, k_len)
+        fits = supports(mask, q_len) and supports(mask, k_len) and can_call_pallas()
         return "splash" if fits else "blockwise"
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"

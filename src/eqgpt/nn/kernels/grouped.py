@@ -23,7 +23,7 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.sharding import get_abstract_mesh
 from jaxtyping import Array, Float, Int
 
-from eqgpt.nn.kernels.typed import in_manual_region, typed_call
+from eqgpt.nn.kernels.typed import can_call_pallas, in_manual_region, typed_call
 
 GROUPED_KERNELS = ("auto", "ragged_dot", "megablox")
 TILE = (128, 128, 128)  # megablox's (rows, contraction, columns) tile; its default
@@ -34,7 +34,7 @@ def auto_grouped_kernel(platform: str | None = None) -> str:
     platform = jax.default_backend() if platform is None else platform
     mesh = get_abstract_mesh()
     automatic = any(mesh.shape[a] > 1 and a not in mesh.manual_axes for a in mesh.axis_names)
-    return "megablox" if platform == "tpu" and not automatic else "ragged_dot"
+    return "megablox" if platform == "tpu" and not automatic and can_call_pallas() else "ragged_dot"
 
 
 def _megablox(x, w, sizes):

@@ -1,7 +1,7 @@
 """Pallas calls inside a `shard_map` that checks varying types (the pipeline, the manual path).
 
 A Pallas call's output shapes carry no varying mesh axes, so with `check_vma=True` JAX
-refuses it. `typed_call` runs the call in a nested `shard_map` over no axes with the check
+refuses it. `typed_call` runs the call in a nested `shard_map` over the axes still automatic with the check
 off, and a custom VJP marks its outputs and gradients varying over every axis its inputs
 vary over. The inputs are made varying over those axes first, outside the custom rule, so
 autodiff still sums the gradient of an input that was invariant over one of them.
@@ -26,13 +26,21 @@ def in_manual_region() -> bool:
     return bool(get_abstract_mesh().manual_axes)
 
 
+def can_call_pallas() -> bool:
+    """Whether `typed_call` can run here: it nests a `shard_map` over the axes still automatic,
+    and newer JAX refuses one where every mesh axis is already manual."""
+    mesh = get_abstract_mesh()
+    return not mesh.manual_axes or len(mesh.manual_axes) < len(mesh.axis_names)
+
+
 def _unchecked(f):
     """`f` in a nested `shard_map` over no axes, the check off. Its inputs are multiplied by one
     first: traced unchecked, the products carry no varying type, so every value agrees."""
     untyped = lambda x: x * jnp.ones((), x.dtype)  # noqa: E731
     body = lambda *args: f(*jax.tree.map(untyped, args))  # noqa: E731
-    return jax.shard_map(body, mesh=get_abstract_mesh(), in_specs=P(), out_specs=P(), axis_names=frozenset(),
-                         check_vma=False)
+    mesh = get_abstract_mesh()
+    free = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False)
 
 
 def _varying(x, axes: tuple[str, ...]):
@@ -61,8 +69,11 @@ _typed.defvjp(_typed_fwd, _typed_bwd)
 def typed_call(f, diff: tuple, aux: tuple = ()):
     """`f(*diff, *aux)` inside a type-checked `shard_map`, differentiable in `diff` (float
     arrays), not in `aux` (integer arrays or `None`)."""
+    if not can_call_pallas():
+        raise ValueError("a Pallas kernel cannot run inside a shard_map over every mesh axis; leave one axis "
+                         "automatic (axis_names=...), or use kernel 'blockwise' / 'ragged_dot' there.")
     axes = tuple(sorted(frozenset().union(*(varying_axes(x) for x in diff))))
     return _typed(f, axes, tuple(_varying(x, axes) for x in diff), aux)
 
 
-__all__ = ["typed_call", "in_manual_region"]
+__all__ = ["typed_call", "in_manual_region", "can_call_pallas"]
