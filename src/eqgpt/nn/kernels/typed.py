@@ -34,7 +34,7 @@ def can_call_pallas() -> bool:
 
 
 def _unchecked(f):
-    """`f` in a nested `shard_map` over no axes, the check off. Its inputs are multiplied by one
+    """`f` in a nested `shard_map` over the axes still automatic, the check off. Its inputs are multiplied by one
     first: traced unchecked, the products carry no varying type, so every value agrees."""
     untyped = lambda x: x * jnp.ones((), x.dtype)  # noqa: E731
     body = lambda *args: f(*jax.tree.map(untyped, args))  # noqa: E731
