@@ -13,6 +13,7 @@ at 1000 fp32's rounding of the angle alone reaches 9e-6), so the tolerance is 1e
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from eqgpt import nn
@@ -72,7 +73,14 @@ def test_clip_by_global_norm(max_norm):
     leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
     norm = np.sqrt(sum(np.sum(g**2) for g in leaves))
     want = [g * min(1.0, max_norm / norm) for g in leaves]
-    clip = clip_by_global_norm(max_norm)
-    got, _ = clip.update(grads, clip.init(grads))
+    from eqgpt.data.batch import Batch
+    from eqgpt.train import TrainState, make_train_step
+
+    params = jax.tree.map(jnp.zeros_like, grads)  # SGD at rate 1 from zero: the new parameters are -clipped
+    optimizer = optax.chain(clip_by_global_norm(max_norm), optax.sgd(1.0))
+    step = make_train_step(optimizer, grad_fn=lambda model, batch: ((jnp.float32(0), {}), grads), donate=False)
+    state = TrainState(params, optimizer.init(params), rng=jax.random.key(0))
+    state, _ = step(state, Batch.from_windows(np.zeros((1, 2), np.int32)))
+    got = jax.tree.map(jnp.negative, state.model)
     for g, w in zip(jax.tree.leaves(got), want, strict=True):
         assert_within(rel_err(g, w), TOL, "clipped gradient")
