@@ -64,6 +64,14 @@ class Tokenizer(Protocol):
     def save(self, directory: str | Path) -> Path: ...
 
 
+def _write_json(text: str, directory: str | Path) -> Path:
+    """`text` as `directory/tokenizer.json`; **returns** its path."""
+    path = Path(directory) / TOKENIZER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
 def _ids_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= MAX_VOCAB else np.uint32
 
@@ -113,10 +121,7 @@ class ByteTokenizer:
 
     def save(self, directory: str | Path) -> Path:
         """Write `tokenizer.json` into `directory` (see the module docs). **Returns:** its path."""
-        path = Path(directory) / TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_hf_json())
-        return path
+        return _write_json(self.to_hf_json(), directory)
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
@@ -176,10 +181,7 @@ class CharTokenizer:
 
     def save(self, directory: str | Path) -> Path:
         """Write `tokenizer.json` into `directory`. **Returns:** its path."""
-        path = Path(directory) / TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_hf_json())
-        return path
+        return _write_json(self.to_hf_json(), directory)
 
     def __repr__(self) -> str:
         return f"CharTokenizer({self.vocab_size} characters)"
@@ -281,10 +283,7 @@ class BPETokenizer:
 
     def save(self, directory: str | Path) -> Path:
         """Write `tokenizer.json` into `directory`. **Returns:** its path."""
-        path = Path(directory) / TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self._json)
-        return path
+        return _write_json(self._json, directory)
 
     def __repr__(self) -> str:
         return f"BPETokenizer({self.name!r}, vocab_size={self.vocab_size})"
