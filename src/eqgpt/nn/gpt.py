@@ -20,6 +20,7 @@ from eqgpt.nn.attention import Attention, KVCache
 from eqgpt.nn.axes import NoConstraint
 from eqgpt.nn.block import Block, LayerGroup
 from eqgpt.nn.embedding import Embedding
+from eqgpt.nn.factory import factory_path
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.loss import mask_padded_vocab
 from eqgpt.nn.mask import make_mask
@@ -79,6 +80,7 @@ class GPT(eqx.Module):
     head: Linear | None
     shard: NoConstraint
     config: GPTConfig = eqx.field(static=True)
+    block_factory_path: str = eqx.field(static=True)  # `module:name` of the factory that built the blocks
 
     def __init__(
         self,
@@ -93,10 +95,12 @@ class GPT(eqx.Module):
         - `key`: a `jax.random.PRNGKey`.
         - `block_factory`: `block_factory(config, key=key) -> Block` builds one layer
           (default `make_block`); pass your own to use your own attention, MLP or
-          kernel in every layer (see `docs/extending.md`).
+          kernel in every layer (see `docs/extending.md`). `save_model` records its
+          `module:name`, from which `load_model` imports it again.
         """
         c = config
         block_factory = make_block if block_factory is None else block_factory
+        self.block_factory_path = factory_path(block_factory)
         kt, kp, kb, kh = jax.random.split(key, 4)
         self.tok_embed = Embedding(c.padded_vocab_size, c.embed_dim, axes=("vocab", "embed"), init_std=c.init_std,
                                    key=kt)
@@ -251,11 +255,13 @@ class GPT(eqx.Module):
         v = self.config.vocab_size
         return out if out.shape[-1] == v else out[..., :v]
 
-    def init_cache(self, batch: int, max_len: int | None = None, dtype=jnp.float32) -> KVCache:
-        """An empty KV cache for every layer: arrays `[layers, batch, max_len, kv_heads, head_dim]`."""
+    def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
+        """An empty KV cache for every layer: arrays `[layers, batch, max_len, kv_heads, head_dim]`,
+        in `dtype` (default: the model's own, so bf16 weights decode with a bf16 cache)."""
         c = self.config
         max_len = c.seq_len if max_len is None else max_len
         self._check_len(max_len)
+        dtype = self.tok_embed.weight.dtype if dtype is None else dtype
         z = jnp.zeros((c.num_layers, batch, max_len, c.kv_heads, c.head_dim), dtype)
         return KVCache(z, z)
 
