@@ -20,22 +20,30 @@ import equinox as eqx
 import jax
 
 from eqgpt.config import GPTConfig
+from eqgpt.nn.factory import DEFAULT_BLOCK, get_block, import_modules
 from eqgpt.nn.gpt import GPT
 
 
-def _run_config(run: Path) -> GPTConfig:
-    for name, key in (("model_config.json", None), ("config.json", "model")):
-        if (run / name).is_file():
-            data = json.loads((run / name).read_text())
-            return GPTConfig(**(data[key] if key else data))
+def _run_config(run: Path) -> tuple[GPTConfig, str]:
+    """The run's `GPTConfig` and block factory name (model_config.json, else config.json)."""
+    from eqgpt.train.export import config_from_record
+
+    if (run / "model_config.json").is_file():
+        return config_from_record(json.loads((run / "model_config.json").read_text()))
+    if (run / "config.json").is_file():
+        data = json.loads((run / "config.json").read_text())
+        return config_from_record(data["model"])
     raise ValueError(f"{run} holds neither model_config.json nor config.json; pass a training run's --out-dir.")
 
 
-def model_from_checkpoint(run: str | Path, step: int | None = None, checkpoint_dir: str | Path | None = None) -> GPT:
-    """The model of a run's Orbax checkpoint (the newest, or `step`), without its optimizer state."""
+def model_from_checkpoint(run: str | Path, step: int | None = None, checkpoint_dir: str | Path | None = None,
+                          block_factory=None) -> GPT:
+    """The model of a run's Orbax checkpoint (the newest, or `step`), without its optimizer state;
+    its layers built by `block_factory` (default: the one the run recorded)."""
     import orbax.checkpoint as ocp
 
     from eqgpt.train.checkpoint import Checkpointer, named_leaves
+    from eqgpt.train.export import usable_kernel
 
     run = Path(run)
     directory = Path(checkpoint_dir) if checkpoint_dir else run / "checkpoints"
@@ -47,7 +55,9 @@ def model_from_checkpoint(run: str | Path, step: int | None = None, checkpoint_d
     if step is not None and step not in steps:
         raise ValueError(f"no checkpoint {step} in {directory}; committed steps: {steps}.")
     step = steps[-1] if step is None else step
-    abstract = eqx.filter_eval_shape(GPT, _run_config(run), key=jax.random.key(0))
+    config, recorded = _run_config(run)
+    factory = get_block(block_factory or recorded)
+    abstract = eqx.filter_eval_shape(GPT, usable_kernel(config), key=jax.random.key(0), block_factory=factory)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target: dict = {}
     for name, leaf in named_leaves({"model": abstract}).items():
@@ -74,11 +84,13 @@ def model_from_checkpoint(run: str | Path, step: int | None = None, checkpoint_d
 
 
 def export_run(run: str | Path, to: str | Path, *, step: int | None = None, checkpoint_dir: str | Path | None = None,
-               family: str | None = None) -> Path:
+               family: str | None = None, block_factory=None) -> Path:
     """Write a training run as a Hugging Face directory; **returns** the `model.safetensors` path.
 
     The model comes from `model.eqx` (the end of training) unless `step` is given or
-    there is none, then from the Orbax checkpoint (`step`, else the newest).
+    there is none, then from the Orbax checkpoint (`step`, else the newest); its layers are
+    built by `block_factory` (default: the one the run recorded). Only eqgpt's own block has
+    a Hugging Face layout.
     """
     from eqgpt.data.tokenizer import load_tokenizer
     from eqgpt.interop.hf import save_hf
@@ -88,9 +100,12 @@ def export_run(run: str | Path, to: str | Path, *, step: int | None = None, chec
     if not run.is_dir():
         raise ValueError(f"run directory {run} not found; pass a training run's --out-dir.")
     if step is None and (run / MODEL_FILE).is_file():
-        model = load_model(run)
+        model = load_model(run, block_factory=block_factory)
     else:
-        model = model_from_checkpoint(run, step, checkpoint_dir)
+        model = model_from_checkpoint(run, step, checkpoint_dir, block_factory=block_factory)
+    if model.block_factory_path != DEFAULT_BLOCK:
+        raise ValueError(f"{run} was trained with block factory {model.block_factory_path}; a Hugging Face "
+                         f"layout holds eqgpt's own block ({DEFAULT_BLOCK}) only.")
     return save_hf(model, to, tokenizer=load_tokenizer(run), family=family)
 
 
@@ -117,14 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--step", type=int, default=None, help="export this Orbax checkpoint step")
     ex.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN/checkpoints")
     ex.add_argument("--format", choices=("auto", "gpt2", "llama", "mixtral"), default="auto", help="layout (default: the model's)")
+    ex.add_argument("--block", default=None, metavar="MODULE:NAME",
+                    help="block factory that built the layers (default: the one the run recorded)")
+    ex.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                    help="import this module first (it may register kernels and blocks); repeatable")
     im = sub.add_parser("import", help="a Hugging Face directory -> a run directory recipes/sample.py reads")
     im.add_argument("--from", dest="source", required=True, type=Path, help="config.json + model.safetensors")
     im.add_argument("--to", required=True, type=Path, help="output run directory")
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
+            import_modules(args.imports)
             path = export_run(args.run, args.to, step=args.step, checkpoint_dir=args.checkpoint_dir,
-                              family=None if args.format == "auto" else args.format)
+                              family=None if args.format == "auto" else args.format, block_factory=args.block)
         else:
             path = import_hf(args.source, args.to)
     except ValueError as e:
