@@ -177,3 +177,22 @@ def test_loss_plot_is_optional(tmp_path, monkeypatch, capsys):
     assert plot_history(history, tmp_path / "without.png") is None
     assert not (tmp_path / "without.png").exists()
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_loss_plot_is_one_axis_with_one_legend_and_bits_per_byte_in_the_title():
+    import matplotlib.pyplot as plt
+
+    from eqgpt.train.plot import loss_figure
+    from eqgpt.train.trainer import History
+
+    rows = [{"step": s, "loss": 5.5 * 0.9 ** s} for s in range(40)]  # a resumed run: rows from both segments
+    rows += [{"step": s, "val_loss": 5.4 * 0.9 ** s, "val_bpb": 7.0 * 0.9 ** s} for s in (0, 20, 39)]
+    fig = loss_figure(History(rows), title="nano")
+    (ax,) = fig.axes
+    assert ax.get_legend() is not None and not fig.legends
+    assert ax.get_yscale() == "log" and "nats" in ax.get_ylabel()
+    assert "bits/byte" in ax.get_title() and ax.get_title().startswith("nano")
+    train, val = ax.get_lines()
+    assert list(train.get_xdata()) == list(range(40)) and list(val.get_xdata()) == [0, 20, 39]
+    assert val.get_linestyle() == "None"  # evaluations are points, not joined by straight lines
+    plt.close(fig)

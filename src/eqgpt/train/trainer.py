@@ -30,6 +30,7 @@ from eqgpt.parallel.placement import Placement
 from eqgpt.precision import Policy
 from eqgpt.train.guards import Guard, Stop
 from eqgpt.train.logging import make_writer
+from eqgpt.train.plot import plot_history  # noqa: F401  (re-exported: eqgpt.train.trainer.plot_history)
 from eqgpt.train.preemption import StopSignal
 from eqgpt.train.state import TrainState
 
@@ -379,35 +380,3 @@ class Trainer:
 def _copy(tree: PyTree) -> PyTree:
     """A copy of every array of `tree` (same placement), dispatched without waiting."""
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
-
-
-def plot_history(history: History, path: str | Path, *, title: str = "") -> Path | None:
-    """Train and validation loss against step, as a PNG; `None` (and a notice) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no loss plot (pip install 'eqgpt[plot]').")
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for key, style in (("loss", "-"), ("val_loss", "o-")):
-        xs, ys = history.series(key)
-        if xs:
-            ax.plot(xs, ys, style, label={"loss": "train", "val_loss": "validation"}[key], ms=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    xs, bpb = history.series("val_bpb")
-    if xs:  # bits per byte: comparable across tokenizers
-        ax2 = ax.twinx()
-        ax2.plot(xs, bpb, "s--", color="tab:green", ms=3, label="validation bits/byte")
-        ax2.set_ylabel("validation bits/byte")
-        ax2.legend(loc="upper center")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
