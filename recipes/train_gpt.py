@@ -26,6 +26,8 @@ import tyro
 
 import eqgpt
 from eqgpt import distributed
+from eqgpt.cli import one_line
+from eqgpt.cli.checks import check_numbers, check_writable
 from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
 from eqgpt.config import scans_by_default
 from eqgpt.data import ByteTokenizer, bytes_per_token, eval_windows, load_corpus
@@ -429,10 +431,14 @@ def check_run_flags(cfg: TrainConfig) -> None:
     for name, low in at_least.items():
         if getattr(cfg, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}.")
+    check_numbers(cfg)
     for name in ("out_dir", "checkpoint_dir"):
         path = getattr(cfg, name)
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
+    check_writable(cfg.out_dir or "runs", "--out-dir")
+    if cfg.checkpoint_dir is not None:
+        check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
     if cfg.batch_size != "auto" and cfg.batch_size % jax.process_count():
         raise ValueError(f"--batch-size {cfg.batch_size} does not split over {jax.process_count()} processes (each "
                          f"loads its share of the rows): use a multiple of {jax.process_count()}.")
@@ -688,6 +694,6 @@ if __name__ == "__main__":
     restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
     try:
         summary = main(parse_flags())
-    except ValueError as e:  # a configuration this run cannot use: say what to change, no traceback
-        sys.exit(f"error: {e}")
+    except (ValueError, OSError) as e:  # a configuration this run cannot use: say what to change, no traceback
+        sys.exit(one_line(e))
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))

@@ -1,0 +1,67 @@
+"""Numeric flags checked before anything is compiled or written, each error naming the flag typed."""
+
+from __future__ import annotations
+
+import math
+
+# (flag, dataclass path, test, what it must be). NaN fails every test.
+_POSITIVE = (lambda v: v > 0, "above 0")
+_AT_LEAST_0 = (lambda v: v >= 0, "at least 0")
+_AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+_FRACTION = (lambda v: 0 <= v <= 1, "between 0 and 1")
+_DECAY = (lambda v: 0 <= v < 1, "in [0, 1)")
+_PERCENT = (lambda v: 0 <= v < 100, "in [0, 100)")
+
+NUMERIC_FLAGS = {
+    "optim.lr": _POSITIVE, "optim.warmup_steps": _AT_LEAST_0, "optim.min_lr_ratio": _FRACTION,
+    "optim.weight_decay": _AT_LEAST_0, "optim.b1": _DECAY, "optim.b2": _DECAY, "optim.clip_norm": _AT_LEAST_0,
+    "data.val_percent": _PERCENT, "data.threads": _AT_LEAST_0, "data.prefetch": _AT_LEAST_1,
+    "model.seq_len": _AT_LEAST_1, "model.num_layers": _AT_LEAST_1, "model.num_heads": _AT_LEAST_1,
+    "model.num_kv_heads": _AT_LEAST_1, "model.embed_dim": _AT_LEAST_1, "model.mlp_dim": _AT_LEAST_1,
+    "model.window": _AT_LEAST_1, "model.vocab_size": _AT_LEAST_1, "model.num_experts": _AT_LEAST_1,
+    "model.top_k": _AT_LEAST_1, "model.capacity_factor": _POSITIVE,
+    "z_loss": _AT_LEAST_0, "peak_flops": _POSITIVE, "seed": _AT_LEAST_0,
+}
+
+
+def flag_name(path: str) -> str:
+    """The flag a user types for a config field path: `optim.warmup_steps` -> `--optim.warmup-steps`."""
+    return "--" + path.replace("_", "-")
+
+
+def _get(cfg, path: str):
+    for part in path.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg
+
+
+def check_numbers(cfg, flags: dict = NUMERIC_FLAGS) -> None:
+    """Raise `ValueError` naming the first numeric flag out of its range (unset flags pass)."""
+    for path, (ok, want) in flags.items():
+        value = _get(cfg, path)
+        if value is None or isinstance(value, str):
+            continue
+        if isinstance(value, float) and not math.isfinite(value) or not ok(value):
+            raise ValueError(f"{flag_name(path)} must be {want}, got {value}.")
+    batch, accum = getattr(cfg, "batch_size", None), getattr(cfg, "accum_steps", 1)
+    if isinstance(batch, int) and accum >= 1 and batch % accum:
+        raise ValueError(f"--batch-size {batch} must be divisible by --accum-steps {accum} (microbatches per step).")
+
+
+def check_writable(path, flag: str) -> None:
+    """Raise `ValueError` naming `flag` when `path` (or, if it does not exist yet, its nearest
+    existing parent) cannot be written."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise ValueError(f"{flag} {path}: {p} is a file, not a directory.")
+    try:  # a real write: permissions, read-only file systems, root included
+        os.rmdir(tempfile.mkdtemp(prefix=".eqgpt-check-", dir=p))
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in {p} ({e.strerror or e}); choose a directory "
+                         "you can write to.") from None
