@@ -18,3 +18,14 @@ def exit_on_user_error(run, errors=(ValueError, OSError)):
     except errors as e:
         print(one_line(e), file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def imports_in(args: list[str]) -> list[str]:
+    """The modules of every `--import MODULE` (or `--import=MODULE`) in `args`."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg == "--import" and i + 1 < len(args):
+            found.append(args[i + 1])
+        elif arg.startswith("--import="):
+            found.append(arg.split("=", 1)[1])
+    return found
