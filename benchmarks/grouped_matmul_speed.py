@@ -22,7 +22,8 @@ from eqgpt.nn.kernels.grouped import grouped_matmul
 from eqgpt.profile.timing import median_seconds
 
 
-def expert_mlp_time(kernel: str, rows: int, embed: int, hidden: int, sizes: np.ndarray, dtype, repeats: int) -> float:
+def expert_mlp_time(kernel: str, rows: int, embed: int, hidden: int, sizes: np.ndarray, dtype, repeats: int,
+                    tile=None) -> float:
     """Median seconds of forward + backward of `down(gelu(up(x)))` grouped by expert."""
     ks = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(ks[0], (rows, embed), dtype)
@@ -31,8 +32,8 @@ def expert_mlp_time(kernel: str, rows: int, embed: int, hidden: int, sizes: np.n
     group_sizes = jnp.asarray(sizes, jnp.int32)
 
     def loss(x, up, down):
-        h = jax.nn.gelu(grouped_matmul(x, up, group_sizes, kernel=kernel))
-        return jnp.sum(grouped_matmul(h, down, group_sizes, kernel=kernel).astype(jnp.float32))
+        mm = lambda a, w: grouped_matmul(a, w, group_sizes, kernel=kernel, **({"tile": tile} if tile else {}))  # noqa: E731
+        return jnp.sum(mm(jax.nn.gelu(mm(x, up)), down).astype(jnp.float32))
 
     return median_seconds(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), x, up, down, repeats=repeats)
 
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--embed", type=int, default=768)
     p.add_argument("--hidden", type=int, default=1536, help="one expert's width")
     p.add_argument("--skew", type=float, default=0.0, help="extra share of the rows on expert 0")
+    p.add_argument("--tiles", default="", help="megablox tiles to compare, e.g. 128x128x128,512x768x768 "
+                   "(default: its default tile only)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--cpu", action="store_true", help="run without an accelerator (a check of this script)")
     args = p.parse_args(argv)
@@ -57,14 +60,17 @@ def main(argv=None) -> int:
     print(f"expert MLP forward + backward, {rows} rows ({args.tokens} tokens x top-{args.top_k}), "
           f"{args.embed} -> {args.hidden} -> {args.embed}, {jnp.dtype(dtype).name}; {device.device_kind}; "
           f"jax {jax.__version__}; median of {args.repeats}, ms")
-    print(f"{'experts':>8}{'ragged_dot':>12}{'megablox':>12}")
+    tiles = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",") if t] or [None]
+    names = ["megablox" if t is None else "x".join(map(str, t)) for t in tiles]
+    print(f"{'experts':>8}{'ragged_dot':>12}" + "".join(f"{n:>14}" for n in names))
     for e in (int(n) for n in args.experts.split(",")):
         share = np.full(e, (1 - args.skew) / e)
         share[0] += args.skew
         sizes = np.random.default_rng(0).multinomial(rows, share)
-        cells = [expert_mlp_time(k, rows, args.embed, args.hidden, sizes, dtype, args.repeats) * 1e3
-                 for k in ("ragged_dot", "megablox")]
-        print(f"{e:>8}" + "".join(f"{c:>12.2f}" for c in cells))
+        base = expert_mlp_time("ragged_dot", rows, args.embed, args.hidden, sizes, dtype, args.repeats) * 1e3
+        cells = [expert_mlp_time("megablox", rows, args.embed, args.hidden, sizes, dtype, args.repeats, t) * 1e3
+                 for t in tiles]
+        print(f"{e:>8}{base:>12.2f}" + "".join(f"{c:>14.2f}" for c in cells))
     return 0
 
 

@@ -173,19 +173,40 @@ class Attention(eqx.Module):
     def decode(
         self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]
     ) -> tuple[Float[Array, "batch new embed"], KVCache]:
-        """Attend `x` (tokens at positions `index..index+new-1`) to the cache and itself.
+        """Attend `x` (tokens at positions `index..index+new-1`) to the cache's first `index`
+        positions and to itself.
 
-        **Returns:** the output and the cache with the new keys and values written.
-        Unfilled cache slots lie at later positions, so the causal mask hides them.
-        Decoding uses the dense `reference` kernel: a step has few query rows, so
-        its scores are `[new, max_len]`, small whatever the training kernel.
+        **Returns:** the output and the new tokens' keys and values (`[batch, new, kv_heads,
+        head_dim]`), which the caller writes into its cache at `index`: the cache is only
+        read here, so a decode step copies none of it.
         """
         positions = index + jnp.arange(x.shape[1])
         q, k, v = self.project(x, positions)
-        ck = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), index, axis=1)
-        cv = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), index, axis=1)
-        o = get_kernel("reference")(
-            q, ck.astype(q.dtype), cv.astype(q.dtype), mask=self.mask,
-            q_pos=positions, k_pos=jnp.arange(ck.shape[1]),
-        )
-        return self.output(o), KVCache(ck, cv)
+        o = attend_cached(q, k, v, cache, self.mask, positions, index)
+        return self.output(o), KVCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+
+
+def attend_cached(
+    q: Float[Array, "b t h d"], k: Float[Array, "b t g d"], v: Float[Array, "b t g d"], cache: KVCache,
+    mask: Mask, positions: Int[Array, " t"], index: Int[Array, ""],
+) -> Float[Array, "b t h d"]:
+    """Softmax attention of the new queries over the cache's filled positions (`< index`) and
+    the new keys, as one softmax in fp32 split in two parts, so the cache is never rewritten."""
+    b, t, h, d = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, t, g, h // g, d) * jnp.asarray(d**-0.5, q.dtype)
+    low = jnp.finfo(jnp.float32).min / 2
+    cached = jnp.arange(cache.k.shape[1])
+    keep_old = mask(positions, cached) & (cached < index)[None, :]  # [t, s]
+    s_old = jnp.einsum("btgrd,bsgd->bgrts", qg, cache.k.astype(q.dtype), preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+    s_old = jnp.where(keep_old, s_old, low)
+    s_new = jnp.where(mask(positions, positions), s_new, low)
+    top = jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
+    total = p_old.sum(-1) + p_new.sum(-1)  # [b, g, r, t]
+    o = (jnp.einsum("bgrts,bsgd->bgrtd", p_old.astype(v.dtype), cache.v.astype(v.dtype),
+                    preferred_element_type=jnp.float32)
+         + jnp.einsum("bgrts,bsgd->bgrtd", p_new.astype(v.dtype), v, preferred_element_type=jnp.float32))
+    o = o / total[..., None]
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

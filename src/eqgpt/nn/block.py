@@ -89,7 +89,8 @@ class Block(eqx.Module):
     def decode(
         self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]
     ) -> tuple[Float[Array, "batch new embed"], KVCache]:
-        """One incremental step with a KV cache (no remat: there is no backward)."""
+        """One incremental step reading the KV cache (no remat: there is no backward); returns
+        the new tokens' keys and values for the caller to write."""
         h, cache = self.attn.decode(self.attn_norm(x), cache, index)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
@@ -121,7 +122,8 @@ class LayerGroup(eqx.Module):
         return self.with_stats(x, **kw)[0]
 
     def decode(self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]):
-        """One incremental step; `cache` holds the group's layers on a leading axis."""
+        """One incremental step; `cache` holds the group's layers on a leading axis, as do the
+        new keys and values returned."""
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             x, c = layer.decode(x, KVCache(cache.k[i], cache.v[i]), index)

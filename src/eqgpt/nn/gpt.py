@@ -280,10 +280,13 @@ class GPT(eqx.Module):
 
         def layer(h, inputs):
             params, layer_cache = inputs
-            h, layer_cache = eqx.combine(params, static).decode(h, layer_cache, index)
-            return h, layer_cache
+            return eqx.combine(params, static).decode(h, layer_cache, index)
 
-        x, cache = jax.lax.scan(layer, x, (dynamic, cache))
+        # Unrolled, so each layer reads its cache in place; the new rows are written once,
+        # in place, after the stack (a scan's per-layer cache outputs would copy it all).
+        x, rows = jax.lax.scan(layer, x, (dynamic, cache), unroll=True)
+        write = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), index, axis=a.ndim - 3)  # noqa: E731
+        cache = jax.tree.map(write, cache, rows)
         if n > 1:
             cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), cache)
         return self.logits(self.norm(x)), cache

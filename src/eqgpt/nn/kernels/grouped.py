@@ -37,19 +37,21 @@ def auto_grouped_kernel(platform: str | None = None) -> str:
     return "megablox" if platform == "tpu" and not automatic and can_call_pallas() else "ragged_dot"
 
 
-def _megablox(x, w, sizes):
+def _megablox(x, w, sizes, tile):
     m = x.shape[0]
-    pad = -m % TILE[0]
+    pad = -m % tile[0]
     x = jnp.pad(x, ((0, pad), (0, 0)))
     sizes = sizes.at[-1].add(pad)  # padded rows join the last group, and are dropped below
-    out = gmm(x, w, sizes, x.dtype, TILE, None, None, False, jax.default_backend() != "tpu")
+    out = gmm(x, w, sizes, x.dtype, tile, None, None, False, jax.default_backend() != "tpu")
     return out[:m]
 
 
 def grouped_matmul(
-    x: Float[Array, "rows k"], w: Float[Array, "groups k n"], sizes: Int[Array, " groups"], *, kernel: str = "auto"
+    x: Float[Array, "rows k"], w: Float[Array, "groups k n"], sizes: Int[Array, " groups"], *, kernel: str = "auto",
+    tile: tuple[int, int, int] = TILE,
 ) -> Float[Array, "rows n"]:
-    """`x`'s rows, sorted by group with `sizes[e]` in group `e`, each times `w[e]`."""
+    """`x`'s rows, sorted by group with `sizes[e]` in group `e`, each times `w[e]` (`tile`: megablox's
+    `(rows, contraction, columns)` tile)."""
     if kernel not in GROUPED_KERNELS:
         raise ValueError(f"Unknown grouped matmul kernel {kernel!r}; choose one of {GROUPED_KERNELS}.")
     kernel = auto_grouped_kernel() if kernel == "auto" else kernel
@@ -58,8 +60,8 @@ def grouped_matmul(
         return jax.lax.ragged_dot(x, w, sizes)
     sizes = sizes.astype(jnp.int32)
     if in_manual_region():
-        return typed_call(_megablox, (x, w), (sizes,))
-    return _megablox(x, w, sizes)
+        return typed_call(lambda x, w, sizes: _megablox(x, w, sizes, tile), (x, w), (sizes,))
+    return _megablox(x, w, sizes, tile)
 
 
 __all__ = ["grouped_matmul", "auto_grouped_kernel", "GROUPED_KERNELS"]
