@@ -44,7 +44,7 @@ def measure(name: str, on: bool, args) -> dict:
     from eqgpt.train import Strategy, TrainState, make_train_step
 
     mesh, rules, manual, options = CASES[name]
-    strategy = Strategy(eqgpt.parallel.make_mesh(mesh), rules, manual=manual, **(options if on else {}))
+    strategy = Strategy.parse(mesh, rules, manual=manual, **(options if on else {}))
     config = eqgpt.GPTConfig(vocab_size=256, seq_len=args.seq, num_layers=args.layers, num_heads=4,
                              embed_dim=args.embed, scan_layers=args.scan)
     model = strategy.init_model(lambda k: nn.GPT(config, key=k), jax.random.key(0))

@@ -53,7 +53,7 @@ def train(strategy: Strategy, *, config: eqgpt.GPTConfig | None = None, steps: i
     make = lambda k: nn.GPT(config, key=k)  # noqa: E731
     strategy.check(jax.eval_shape(make, jax.random.key(0)), batch_size=batch, seq_len=config.seq_len)  # before compiling
     model = strategy.init_model(make, jax.random.key(0))
-    if strategy.rules.uses("params", strategy.mesh) and not (strategy.pipeline or strategy.manual):
+    if strategy.rules.uses("params", strategy.mesh) and all(p.automatic and not p.runs_layers for p in strategy.parts):
         frac = par.check_replication(model, strategy.mesh, strategy.rules, 0.05, strategy.overrides)
         print(f"replicated parameter bytes: {frac:.2%}")  # a strategy that shards weights must really shard them
     q = model.blocks.attn.q_proj.weight

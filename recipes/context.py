@@ -23,8 +23,7 @@ import tyro
 
 import eqgpt
 from _parallel_demo import train  # first: 8 simulated CPU devices
-from eqgpt.parallel import Strategy, make_mesh
-from eqgpt.parallel.context import ContextConfig
+from eqgpt.parallel import Context, Strategy, make_mesh
 
 
 @dataclass
@@ -52,7 +51,7 @@ def main(args: Args) -> list[float]:
         seq_len=args.seq_len, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, mlp_dim=172
     )
     strategy = Strategy(make_mesh(args.mesh), args.strategy,
-                        context=ContextConfig(impl=args.context, ordering=args.ordering))
+                        parts=(Context(args.context, ordering=args.ordering),))
     return train(strategy, config=config, steps=args.steps, batch=args.batch_size)
 
 

@@ -21,7 +21,7 @@ import tyro
 
 import eqgpt
 from _parallel_demo import train  # first: 8 simulated CPU devices
-from eqgpt.parallel import Strategy, make_mesh
+from eqgpt.parallel import Manual, Strategy, make_mesh
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Args:
 def main(args: Args) -> list[float]:
     mesh = make_mesh(args.mesh)
     rules = ("dp+" if mesh.shape["data"] > 1 else "") + ("sp" if args.sp else "tp")
-    return train(Strategy(mesh, rules, manual=True), config=eqgpt.preset(args.preset, seq_len=64), steps=args.steps)
+    return train(Strategy(mesh, rules, parts=(Manual(),)), config=eqgpt.preset(args.preset, seq_len=64), steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import tyro
 
 import eqgpt
 from _parallel_demo import train  # first: 8 simulated CPU devices
-from eqgpt.parallel import PipelineConfig, Strategy, make_mesh
+from eqgpt.parallel import Pipeline, Strategy, make_mesh
 from eqgpt.parallel.pipeline import bubble_report
+from eqgpt.parallel.pipeline.part import pipeline_schedule
 
 
 @dataclass
@@ -45,8 +46,8 @@ class Args:
 def main(args: Args) -> list[float]:
     config = eqgpt.GPTConfig(vocab_size=256, seq_len=64, num_layers=8, num_heads=4, embed_dim=64)
     strategy = Strategy(make_mesh(args.mesh), args.strategy,
-                        pipeline=PipelineConfig(args.schedule, args.microbatches, args.virtual_stages))
-    schedule = strategy.pipeline_schedule()
+                        parts=(Pipeline(args.schedule, args.microbatches, args.virtual_stages),))
+    schedule = pipeline_schedule(strategy.mesh, strategy.part(Pipeline))
     print(schedule.table())
     print(bubble_report(schedule))
     return train(strategy, config=config, steps=args.steps, batch=args.microbatches * args.rows * strategy.batch_divisor)

@@ -17,7 +17,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import equinox as eqx
 import jax
@@ -37,7 +37,8 @@ from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
 from eqgpt.nn.kernels import auto_kernel_name
 from eqgpt.nn.mask import make_mask
-from eqgpt.parallel.communication import bucket_report
+from eqgpt.parallel import ParallelFlags
+from eqgpt.parallel.manual import bucket_report
 from eqgpt.parallel.overlap import set_overlap_flags
 from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
@@ -167,37 +168,8 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    # --- parallelism: these fields become one eqgpt.parallel.Strategy (see `strategy_of`).
-    mesh: str = ""
-    """Device mesh, e.g. 'pipeline=2,data=2,tensor=2' (axes data, fsdp, pipeline, context, expert, tensor; -1 fills); '' = one device."""
-    strategy: str = "dp"
-    """Sharding rules on --mesh: presets dp, fsdp, tp, sp joined by '+' (e.g. 'fsdp+tp'); sp implies tp."""
-    pipeline: Literal["gpipe", "1f1b", "interleaved", "zb1"] | None = None
-    """Run the layers as a pipeline over the mesh's 'pipeline' axis with this schedule (zb1: zero-bubble ZB-H1, needs --microbatches >= the pipeline size)."""
-    microbatches: int = 4
-    """Pipeline microbatches per step."""
-    virtual_stages: int = 2
-    """Layer chunks per pipeline device (interleaved schedule)."""
-    pipeline_layers: str = "equal"
-    """Layers per pipeline stage: 'equal', 'auto' (balanced by measured FLOPs: the embedding and head stages take fewer) or counts per virtual stage, e.g. '4,4,4,0'."""
-    context: Literal["ring", "allgather", "ulysses"] | None = None
-    """Split the sequence over the mesh's 'context' axis (zigzag order) with ring, all-gather or Ulysses (all-to-all; heads divisible by context) attention."""
-    expert: Literal["alltoall", "gspmd"] | None = None
-    """MoE experts over the mesh's 'expert' axis: 'alltoall' (default: explicit dispatch and combine) or 'gspmd' (the partitioner moves the tokens); see docs/parallelism/expert.md."""
-    manual: bool = False
-    """Manual path: data, tensor and (with 'sp' in --strategy) sequence parallelism under shard_map with explicit collectives."""
-    zero: Literal[0, 1, 2] = 0
-    """ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also reduce-scatters gradients); see docs/parallelism/parameter-server.md."""
-    offload_opt_state: bool = False
-    """Keep the optimizer state in pinned host memory between steps (docs/memory.md)."""
-    offload_params: bool = False
-    """Keep the parameters in pinned host memory between steps too (with FSDP, each device's shard; docs/memory.md)."""
-    collective_matmul: bool = False
-    """With --manual and 'sp': each region's all-gather/reduce-scatter as a ring of permutes interleaved with the matmuls (docs/parallelism/sp.md)."""
-    bucket_mb: float | None = None
-    """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
-    overlap: bool = False
-    """Overlap communication with compute: XLA's GPU scheduler flags (set before JAX starts) and FSDP weight prefetch; see docs/course/17-optimizing-communication.md."""
+    parallel: Annotated[ParallelFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=ParallelFlags)
+    """How the run is distributed: --mesh, --strategy and each parallelism's flags (eqgpt.parallel.ParallelFlags)."""
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
@@ -263,17 +235,6 @@ class TrainConfig:
     """Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace (Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md."""
     log: Literal["jsonl", "tensorboard"] = "jsonl"
     """'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is always written."""
-
-
-def strategy_of(cfg: TrainConfig) -> Strategy:
-    """The one object that says how this run is distributed (without --mesh: one device, or with
-    several processes data parallelism over all their devices)."""
-    mesh = cfg.mesh or ("data=-1" if jax.process_count() > 1 else "")
-    return Strategy.parse(mesh, cfg.strategy, pipeline=cfg.pipeline, microbatches=cfg.microbatches,
-                          virtual_stages=cfg.virtual_stages, pipeline_layers=cfg.pipeline_layers, context=cfg.context, manual=cfg.manual, zero=cfg.zero,
-                          offload_opt_state=cfg.offload_opt_state, offload_params=cfg.offload_params,
-                          expert=cfg.expert, collective_matmul=cfg.collective_matmul, bucket_mb=cfg.bucket_mb,
-                          overlap=cfg.overlap)
 
 
 def policy_of(cfg: TrainConfig) -> Policy:
@@ -532,7 +493,7 @@ def use_compile_cache(cfg: TrainConfig) -> Path | None:
 def start_jax(cfg: TrainConfig) -> Path | None:
     """What must precede the first use of a JAX backend (XLA's flags, the CPU device count, the
     compilation cache), then the multi-process start-up; **returns** the cache directory or `None`."""
-    if cfg.overlap:  # XLA reads its flags when the backend starts
+    if cfg.parallel.overlap is not None:  # XLA reads its flags when the backend starts
         set_overlap_flags()
     if cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
@@ -595,7 +556,7 @@ def main(cfg: TrainConfig) -> dict:
             f"(--steps N above {done['steps']} trains on)")
         return done
     model_cfg = cfg.model.build()
-    strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
+    strategy, policy = cfg.parallel.strategy(), policy_of(cfg)  # every flag error is raised here or in `check`
     corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
                          min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
                          tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
@@ -650,8 +611,8 @@ def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy,
         log(f"compilation cache: {compile_cache} (a second start reads its programs; --no-compile-cache: off)")
     if (buckets := bucket_report(strategy, model_like)) is not None:
         log(buckets)
-    if strategy.pipeline is not None:
-        log(describe_stages(strategy, model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)))
+    if (stages := describe_stages(strategy, model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len))):
+        log(stages)
     for note in corpus.notes:
         log(note)
     if not tokenizer_decodes(corpus, model_cfg):
@@ -662,12 +623,16 @@ def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy,
 def config_from_json(cls, data: dict):
     """A (nested) config dataclass from its `dataclasses.asdict` JSON (unknown keys dropped)."""
     hints, kwargs = typing.get_type_hints(cls), {}
+    if cls is TrainConfig and "parallel" not in data:  # a run from before ParallelFlags: its flags at the top
+        flat = {k: v for k, v in data.items() if k in ParallelFlags.flag_names()}
+        data = {**data, "parallel": dataclasses.asdict(ParallelFlags.from_flags(flat))}
     for f in dataclasses.fields(cls):
         if f.name not in data:
             continue
         value, hint = data[f.name], hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            value = config_from_json(hint, value)
+        nested = [t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)]
+        if nested and isinstance(value, dict):
+            value = config_from_json(nested[0], value)
         elif isinstance(value, list):
             value = tuple(value)
         elif isinstance(value, str) and Path in (hint, *typing.get_args(hint)):

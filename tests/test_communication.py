@@ -26,8 +26,7 @@ from jax.sharding import PartitionSpec as P
 from eqgpt import parallel as par
 from eqgpt.parallel import buckets
 from eqgpt.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from eqgpt.parallel.communication import bucket_report
-from eqgpt.parallel.manual import manual_grad_fn
+from eqgpt.parallel.manual import bucket_report, manual_grad_fn
 from eqgpt.parallel.pipeline import pipeline_grad_fn
 from eqgpt.parallel.shard_map import place
 from eqgpt.parallel.tensor import tensor_parallel_specs
@@ -73,7 +72,7 @@ def manual_program(mesh_spec: str, sp: bool, collective_matmul: bool = False, bu
     model = reference_model("gpt")
     grad_fn = manual_grad_fn(model, mesh, sequence_parallel=sp, collective_matmul=collective_matmul,
                              bucket_bytes=buckets.bucket_bytes_of(bucket_mb))
-    batch = par.Strategy(mesh, "dp+tp" if "tensor" in mesh_spec else "dp", manual=True).batch(batches(1)[0])
+    batch = par.Strategy(mesh, "dp+tp" if "tensor" in mesh_spec else "dp", parts=(par.Manual(),)).batch(batches(1)[0])
     placed = place(model, mesh, tensor_parallel_specs(model, mesh))
     lowered = eqx.filter_jit(grad_fn).lower(placed, batch)
     return collectives(lowered.compile(OPTIONS), mesh), lowered.as_text(), mesh, model
@@ -143,7 +142,7 @@ def test_buckets_cut_the_data_parallel_all_reduces_to_the_documented_count_with_
     before = buckets.all_reduce_count(sizes, None)
     after = buckets.all_reduce_count(sizes, buckets.bucket_bytes_of(0.01))
     assert (before, after) == (len(names), len(HAND_BUCKETS)) == (20, 10)  # see docs/parallelism/dp.md
-    strategy = par.Strategy(par.make_mesh("data=8"), "dp", manual=True, bucket_mb=0.01)
+    strategy = par.Strategy(par.make_mesh("data=8"), "dp", parts=(par.Manual(bucket_mb=0.01),))
     assert bucket_report(strategy, model) == "gradient all-reduces per step: 20 -> 10 (buckets of at most 0.01 MiB)"
     # The program issues one all-reduce per bucket (XLA:CPU then combines independent ones into one
     # variadic instruction; its operands are the reductions).
@@ -159,7 +158,7 @@ def pipeline_grads(bucket_mb: float | None):
     mesh = par.make_mesh("pipeline=2,data=4")
     model = reference_model("gpt")
     fn = pipeline_grad_fn(mesh, "1f1b", 2, bucket_bytes=buckets.bucket_bytes_of(bucket_mb))
-    batch = par.Strategy(mesh, "dp", pipeline=par.PipelineConfig("1f1b", 2)).batch(batches(1)[0])
+    batch = par.Strategy(mesh, "dp", parts=(par.Pipeline("1f1b", 2),)).batch(batches(1)[0])
     dynamic, static = eqx.partition(model, eqx.is_array)
     compiled = jax.jit(lambda d, b: fn(eqx.combine(d, static), b)).lower(dynamic, batch).compile(OPTIONS)
     return collectives(compiled, mesh), compiled(dynamic, batch)
@@ -185,7 +184,7 @@ def test_bucket_report_counts_what_the_compiled_sequence_parallel_step_reduces()
     groups = (("data",), ("data", "tensor"))
     before = sum(len(_grad_all_reduces(plain, g)) for g in groups)
     after = sum(len(_grad_all_reduces(bucketed, g)) for g in groups)
-    strategy = par.Strategy(mesh, "dp+sp", manual=True, collective_matmul=True, bucket_mb=0.01)
+    strategy = par.Strategy(mesh, "dp+sp", parts=(par.Manual(collective_matmul=True, bucket_mb=0.01),))
     assert bucket_report(strategy, model) == f"gradient all-reduces per step: {before} -> {after} (buckets of at most 0.01 MiB)"
     assert after < before
     assert [sum(map(_size, _grad_all_reduces(bucketed, g))) for g in groups] == \

@@ -1,7 +1,7 @@
 """Context-parallel training equals one device: 5 AdamW steps, losses and parameters.
 
 The single-device run and its batches come from `parallel_cases` (shared with the
-other strategies' parity tests). Here the strategy has a `ContextConfig`: the
+other strategies' parity tests). Here the strategy has a `Context` part: the
 model's attention kernel is swapped for ring or all-gather attention (its
 parameter tree stays the plain model's), and the batch is put into zigzag order
 once per step.
@@ -18,7 +18,7 @@ from eqgpt import parallel as par
 from eqgpt.data import Batch
 from eqgpt.parallel import Strategy
 from eqgpt.parallel.context import (
-    ContextConfig,
+    Context,
     ContextKernel,
     context_kernels,
     context_rules,
@@ -52,7 +52,7 @@ CASES = [
 
 @functools.cache
 def context_run(name: str, mesh_spec: str, base: str, impl: str):
-    strategy = Strategy(par.make_mesh(mesh_spec), base, context=ContextConfig(impl, block=4))
+    strategy = Strategy(par.make_mesh(mesh_spec), base, parts=(Context(impl, block=4),))
     model = strategy.place_model(reference_model(name))
     opt_state = strategy.place_opt_state(OPTIMIZER.init(eqx.filter(model, eqx.is_array)), model)
     losses, state, compiled = train(strategy, model, opt_state)
@@ -93,7 +93,7 @@ def test_every_gradient_is_summed_over_the_data_devices():
 
 
 def test_grad_fn_checks_its_inputs_before_compiling():
-    strategy = Strategy(par.make_mesh("context=4,data=2"), "dp", context=ContextConfig("ring"))
+    strategy = Strategy(par.make_mesh("context=4,data=2"), "dp", parts=(Context("ring"),))
     grad_fn = strategy.grad_fn()
     plain = reference_model("llama")
     bad = Batch.from_windows(np.zeros((8, 37), np.int32))  # 36 is not a multiple of 2 * 4
@@ -111,7 +111,7 @@ def test_context_attention_keeps_the_parameter_tree():
     plain = reference_model("gpt")
     mesh = par.make_mesh("context=4,data=2")
     flat = lambda m: jax.tree_util.tree_flatten_with_path(eqx.filter(m, eqx.is_array))[0]  # noqa: E731
-    cp = use_context_attention(plain, mesh, ContextConfig("allgather", block=4))
+    cp = use_context_attention(plain, mesh, Context("allgather", block=4))
     assert [par.path_str(p) for p, _ in flat(cp)] == [par.path_str(p) for p, _ in flat(plain)]
     assert all(a is b for (_, a), (_, b) in zip(flat(cp), flat(plain), strict=True))
     (kernel,) = context_kernels(cp)

@@ -15,7 +15,7 @@ import pytest
 import eqgpt
 from eqgpt.data import Batch
 from eqgpt.nn import GPT
-from eqgpt.parallel import PipelineConfig, Strategy, make_mesh
+from eqgpt.parallel import Pipeline, Strategy, Zero, make_mesh
 from eqgpt.profile import estimate, memory
 from eqgpt.train import TrainState, make_train_step
 
@@ -26,8 +26,8 @@ CASES = {
     "dp": lambda: Strategy(make_mesh("data=8"), "dp"),
     "fsdp": lambda: Strategy(make_mesh("fsdp=8"), "fsdp"),
     "fsdp+tp": lambda: Strategy(make_mesh("fsdp=2,tensor=4"), "fsdp+tp"),
-    "pipeline-1f1b": lambda: Strategy(make_mesh("pipeline=2,data=4"), "dp", pipeline=PipelineConfig("1f1b", 2)),
-    "zero1": lambda: Strategy(make_mesh("data=8"), "dp", zero=1),
+    "pipeline-1f1b": lambda: Strategy(make_mesh("pipeline=2,data=4"), "dp", parts=(Pipeline("1f1b", 2),)),
+    "zero1": lambda: Strategy(make_mesh("data=8"), "dp", parts=(Zero(1),)),
 }
 
 
@@ -54,7 +54,7 @@ def test_estimate_matches_compiled_memory(name):
 def test_estimate_needs_no_devices_and_scales_with_the_strategy():
     one = estimate(CONFIG, batch=BATCH)
     fsdp = estimate(CONFIG, make_mesh("fsdp=8"), "fsdp", batch=BATCH)
-    zero = estimate(CONFIG, strategy=Strategy(make_mesh("data=8"), "dp", zero=1), batch=BATCH)
+    zero = estimate(CONFIG, strategy=Strategy(make_mesh("data=8"), "dp", parts=(Zero(1),)), batch=BATCH)
     dp = estimate(CONFIG, make_mesh("data=8"), "dp", batch=BATCH)
     assert one.opt_state == 2 * one.params  # AdamW: two fp32 moments per parameter
     assert fsdp.params < one.params / 7 and fsdp.opt_state < one.opt_state / 7

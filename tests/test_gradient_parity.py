@@ -25,7 +25,7 @@ import eqgpt
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.data import Batch
-from eqgpt.parallel.context import ContextConfig
+from eqgpt.parallel.context import Context
 from eqgpt.train import Strategy, TrainState, make_train_step
 from eqgpt.train.optim import clip_by_global_norm
 from markov import markov_windows
@@ -119,11 +119,11 @@ CASES = {
     "zero1-manual": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=1, manual=True)),
     "zero2-manual": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=2, manual=True)),
     "context-ring": ("llama", lambda: Strategy(par.make_mesh("context=4,data=2"), "dp",
-                                               context=ContextConfig("ring", block=4))),
+                                               parts=(Context("ring", block=4),))),
     "context-allgather": ("gpt", lambda: Strategy(par.make_mesh("context=2,tensor=2,fsdp=2"), "fsdp+tp",
-                                                  context=ContextConfig("allgather", block=4))),
+                                                  parts=(Context("allgather", block=4),))),
     "context-ulysses": ("llama", lambda: Strategy(par.make_mesh("context=2,data=4"), "dp",
-                                                  context=ContextConfig("ulysses"))),
+                                                  parts=(Context("ulysses"),))),
     "pipeline-gpipe": ("gpt", lambda: Strategy.parse("pipeline=4,data=2", "dp", pipeline="gpipe", microbatches=4)),
     "pipeline-1f1b": ("llama", lambda: Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)),
     "pipeline-interleaved": ("llama", lambda: Strategy.parse("pipeline=2,data=2,tensor=2", "tp",
@@ -136,13 +136,13 @@ CASES = {
     # MoE with the sequence split (zigzag: the capacity path must serve tokens by true position)
     # and on the manual path; the loss holds the router losses, `moe_balance` is compared too.
     "moe-context-ring": ("moe", lambda: Strategy(par.make_mesh("context=4,data=2"), "dp",
-                                                 context=ContextConfig("ring", block=4))),
+                                                 parts=(Context("ring", block=4),))),
     "moe-context-allgather": ("moe", lambda: Strategy(par.make_mesh("context=2,tensor=2,fsdp=2"), "fsdp+tp",
-                                                      context=ContextConfig("allgather", block=4))),
+                                                      parts=(Context("allgather", block=4),))),
     "moe-context-ulysses": ("moe", lambda: Strategy(par.make_mesh("context=2,data=4"), "dp",
-                                                    context=ContextConfig("ulysses"))),
+                                                    parts=(Context("ulysses"),))),
     "moe-context-expert": ("moe", lambda: Strategy(par.make_mesh("context=2,expert=2,data=2"), "dp",
-                                                   context=ContextConfig("ring", block=4))),
+                                                   parts=(Context("ring", block=4),))),
     "moe-manual-dp": ("moe", lambda: Strategy.parse("data=8", "dp", manual=True)),
     "moe-manual-tp": ("moe", lambda: Strategy.parse("data=4,tensor=2", "dp+tp", manual=True)),  # 2 heads
 }

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.data import Batch
-from eqgpt.parallel import Strategy
+from eqgpt.parallel import Manual, Strategy
 from eqgpt.parallel import tensor as tp
 from eqgpt.parallel.manual import manual_grad_fn, manual_loss_fn, manual_placement
 from eqgpt.parallel.shard_map import filter_shard_map, place
@@ -55,7 +55,7 @@ NOISE_ONLY = {"blocks.attn.k_proj.bias": 2e-5}
 def manual(name, mesh_spec, sp):
     """5 AdamW steps of the library's step on the manual path: losses, final arrays, compiled step."""
     strategy = Strategy(par.make_mesh(mesh_spec), ("dp+" if "data" in mesh_spec else "") + ("sp" if sp else "tp"),
-                        manual=True)
+                        parts=(Manual(),))
     model = strategy.place_model(reference_model(name))
     opt_state = strategy.place_opt_state(OPTIMIZER.init(eqx.filter(model, eqx.is_array)), model)
     losses, state, compiled = train(strategy, model, opt_state)
@@ -101,7 +101,7 @@ def forward_program(name, mesh_spec, sp):
     mesh = par.make_mesh(mesh_spec)
     model = reference_model(name)
     loss_fn = manual_loss_fn(model, mesh, sequence_parallel=sp)
-    batch = Strategy(mesh, "dp+tp", manual=True).batch(batches(1)[0])
+    batch = Strategy(mesh, "dp+tp", parts=(Manual(),)).batch(batches(1)[0])
     placed = place(model, mesh, tp.tensor_parallel_specs(model, mesh))
     compiled = eqx.filter_jit(loss_fn).lower(placed, batch).compile(OPTIONS)
     return collectives(compiled, mesh), mesh
@@ -174,7 +174,7 @@ def test_gradients_are_reduced_in_fp32_under_bf16_compute():
     grad_fn = manual_grad_fn(model, mesh, policy=Policy.named("bf16"))
     host = batches(1)[0]
     x, y = host.tokens, host.targets
-    batch = Strategy(mesh, "dp", manual=True).batch(host)
+    batch = Strategy(mesh, "dp", parts=(Manual(),)).batch(host)
     compiled = eqx.filter_jit(grad_fn).lower(place(model, mesh, tp.tensor_parallel_specs(model, mesh)), batch).compile(OPTIONS)
     data_rows = [r for r in collectives(compiled, mesh) if r.axes == ("data",)]
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
@@ -196,7 +196,7 @@ def test_masked_z_loss_with_segments_matches_one_device():
                               segment_ids=jnp.asarray(seg), z_loss=1e-2, chunk_size=8)
     mesh = par.make_mesh("data=2,tensor=4")
     loss_fn = manual_loss_fn(model, mesh, sequence_parallel=True, z_loss=1e-2, chunk_size=8)
-    batch = Strategy(mesh, "dp+sp", manual=True).batch(Batch(x, y, loss_mask=mask, segment_ids=seg))
+    batch = Strategy(mesh, "dp+sp", parts=(Manual(),)).batch(Batch(x, y, loss_mask=mask, segment_ids=seg))
     placed = place(model, mesh, tp.tensor_parallel_specs(model, mesh))
     loss, aux = eqx.filter_jit(loss_fn).lower(placed, batch).compile(OPTIONS)(placed, batch)
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
@@ -345,7 +345,7 @@ def test_a_users_mlp_trains_like_one_device(rules, enter):
     step = lambda s: eqx.filter_jit(s.grad_fn(model_like=model))  # noqa: E731
     batch = batches(1)[0]
     (want, _), g_want = step(Strategy())(model, batch)
-    strategy = Strategy(par.make_mesh("data=2,tensor=4"), rules, manual=True)
+    strategy = Strategy(par.make_mesh("data=2,tensor=4"), rules, parts=(Manual(),))
     (got, _), g_got = step(strategy)(strategy.place_model(model), strategy.batch(batch))
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     assert_arrays_close(arrays(g_got), arrays(g_want), "gradients")
@@ -353,6 +353,6 @@ def test_a_users_mlp_trains_like_one_device(rules, enter):
 
 def test_a_users_mlp_that_never_enters_its_region_fails_clearly_under_sp():
     model = user_model(enter=False)
-    strategy = Strategy(par.make_mesh("data=2,tensor=4"), "dp+sp", manual=True)
+    strategy = Strategy(par.make_mesh("data=2,tensor=4"), "dp+sp", parts=(Manual(),))
     with pytest.raises(ValueError, match=r"blocks\.mlp\.up.*never entered its tensor-parallel region"):
         jax.eval_shape(strategy.grad_fn(model_like=model), model, strategy.batch(batches(1)[0]))

@@ -277,12 +277,12 @@ def test_documented_sbatch_and_indexed_job():
     sbatch = next(b for b in _blocks("bash") if "#SBATCH" in b)
     command = shlex.split(re.search(r"^srun .*?(?<!\\)$", sbatch.replace("\\\n", " "), re.M).group(0))
     cfg = _recipe_config(command[command.index("recipes/train_gpt.py") + 1:])
-    assert cfg.resume and cfg.checkpoint_every == 500 and cfg.mesh == "data=2,fsdp=8"
+    assert cfg.resume and cfg.checkpoint_every == 500 and cfg.parallel.mesh == "data=2,fsdp=8"
     assert "--kill-on-bad-exit=1" in command and "--signal=TERM@120" in sbatch
     job = next(b for b in _blocks("yaml") if "completionMode: Indexed" in b)
     command = json.loads(re.search(r"command: (\[.*?\])", job, re.S).group(1))
     cfg = _recipe_config(command[2:])
-    assert cfg.resume and cfg.mesh == "data=4,fsdp=8"
+    assert cfg.resume and cfg.parallel.mesh == "data=4,fsdp=8"
     env = dict(re.findall(r"\{name: (EQGPT_\w+), value: \"([^\"]+)\"\}", job))
     s = resolve_settings(environ={**env, "JOB_COMPLETION_INDEX": "2"})  # what the pod of index 2 sees
     assert (s.coordinator, s.num_processes, s.process_id) == ("eqgpt-0.eqgpt:12355", 4, 2)

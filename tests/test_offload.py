@@ -16,18 +16,18 @@ import pytest
 import eqgpt
 from eqgpt.data import Batch
 from eqgpt.nn import GPT
-from eqgpt.parallel import Strategy, make_mesh
+from eqgpt.parallel import Offload, Strategy, make_mesh
 from eqgpt.profile import memory
 from eqgpt.train import TrainState, make_train_step
 
 CONFIG = eqgpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=2, num_heads=4, embed_dim=64)
 OPTIMIZER = optax.adamw(1e-3)
 CASES = {
-    "single": lambda offload: Strategy(offload_opt_state=offload),
-    "fsdp": lambda offload: Strategy(make_mesh("fsdp=8"), "fsdp", offload_opt_state=offload),
-    "zero1": lambda offload: Strategy(make_mesh("data=8"), "dp", zero=1, offload_opt_state=offload),
-    "fsdp-params": lambda offload: Strategy(make_mesh("fsdp=8"), "fsdp", offload_opt_state=offload,
-                                            offload_params=offload),
+    "single": lambda offload: Strategy.parse(offload_opt_state=offload),
+    "fsdp": lambda offload: Strategy.parse("fsdp=8", "fsdp", offload_opt_state=offload),
+    "zero1": lambda offload: Strategy.parse("data=8", "dp", zero=1, offload_opt_state=offload),
+    "fsdp-params": lambda offload: Strategy.parse("fsdp=8", "fsdp", offload_opt_state=offload,
+                                                  offload_params=offload),
 }
 
 
@@ -40,7 +40,7 @@ def train(strategy: Strategy, steps: int = 3):
                for _ in range(steps)]
     compiled = step.lower(state, batches[0]).compile()
     report = memory(compiled)
-    offloaded = (state.opt_state, state.model) if strategy.offload_params else state.opt_state
+    offloaded = (state.opt_state, state.model) if getattr(strategy.part(Offload), "params", False) else state.opt_state
     host_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(offloaded) if eqx.is_array(x))
     losses = []
     for b in batches:
@@ -67,8 +67,8 @@ def test_offloaded_state_trains_the_same_and_leaves_the_device(name):
 
 
 def test_the_strategy_says_where_the_state_lives():
-    assert "optimizer state on host" in Strategy(make_mesh("data=8"), "dp", offload_opt_state=True).describe()
-    assert Strategy(make_mesh("fsdp=8"), "fsdp", offload_opt_state=True, offload_params=True).describe() == \
+    assert "optimizer state on host" in Strategy(make_mesh("data=8"), "dp", parts=(Offload(opt_state=True),)).describe()
+    assert Strategy(make_mesh("fsdp=8"), "fsdp", parts=(Offload(opt_state=True, params=True),)).describe() == \
         "fsdp | parameters and optimizer state on host"
 
 

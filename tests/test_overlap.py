@@ -46,7 +46,7 @@ def test_overlap_trains_like_no_overlap_and_one_device(mesh, corpus, tmp_path_fa
 def _compiled_step(mesh: str, rules: str, overlap: bool):
     from eqgpt.train import TrainState, make_train_step
 
-    strategy = Strategy(par.make_mesh(mesh), rules, overlap=overlap)
+    strategy = Strategy(par.make_mesh(mesh), rules, parts=(par.Overlap(),) if overlap else ())
     config = CONFIGS["gpt"].replace(num_layers=4)  # a loop of 3 (with 2 layers XLA inlines the loop of 1)
     model = strategy.init_model(lambda k: nn.GPT(config, key=k), jax.random.key(0))
     opt_state = strategy.init_opt_state(OPTIMIZER, model)
@@ -145,10 +145,10 @@ def test_schedule_overlap_arithmetic_on_a_hand_written_module():
 
 
 def test_overlap_part_and_flags():
-    strategy = Strategy(par.make_mesh("fsdp=8"), "fsdp", overlap=True)
+    strategy = Strategy(par.make_mesh("fsdp=8"), "fsdp", parts=(par.Overlap(),))
     assert strategy.describe() == "fsdp | overlap"
     assert par.overlap.prefetch_axes(strategy) == ("fsdp",)
-    assert par.overlap.prefetch_axes(Strategy(par.make_mesh("data=8"), "dp", overlap=True)) == ()
+    assert par.overlap.prefetch_axes(Strategy(par.make_mesh("data=8"), "dp", parts=(par.Overlap(),))) == ()
     # The backend is running: the flags cannot take effect any more, and nothing changes.
     assert par.overlap.set_overlap_flags() == par.overlap.overlap_flags_set()
     # Before it starts they are set, and XLA's CPU backend starts with them (it stops at an unknown flag).

@@ -114,10 +114,10 @@ def test_packed_document_equals_alone_under_context_parallelism(impl):
     and the per-row positions travel through the zigzag layout with the tokens."""
     from eqgpt import parallel as par
     from eqgpt.parallel import Strategy
-    from eqgpt.parallel.context import ContextConfig
+    from eqgpt.parallel.context import Context
 
     packed, a, b = two_documents()
-    strategy = Strategy(par.make_mesh("context=4,data=2"), "dp", context=ContextConfig(impl, block=4))
+    strategy = Strategy(par.make_mesh("context=4,data=2"), "dp", parts=(Context(impl, block=4),))
     single = make_model("rope")
     model = strategy.place_model(single)
     grad_cp = eqx.filter_jit(strategy.grad_fn())

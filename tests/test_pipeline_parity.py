@@ -24,9 +24,10 @@ import pytest
 import eqgpt
 from eqgpt import nn
 from eqgpt.data import Batch
-from eqgpt.parallel import PipelineConfig, Strategy, make_mesh, path_str
-from eqgpt.parallel.context import ContextConfig, ContextKernel
+from eqgpt.parallel import Pipeline, Strategy, make_mesh, path_str
+from eqgpt.parallel.context import Context, ContextKernel
 from eqgpt.parallel.pipeline import lower, make_pipeline_schedule, pipeline_grad_fn
+from eqgpt.parallel.pipeline.part import pipeline_schedule
 from eqgpt.profile import collectives
 from eqgpt.train import TrainState, make_train_step
 from markov import falls, markov_windows
@@ -108,11 +109,11 @@ def check_reductions_once_per_step(compiled, mesh, schedule):
 def test_pipeline_matches_single_device_over_five_steps(case, init_model, reference):
     mesh_spec, rules, schedule, m, *split = CASES[case]
     strategy = Strategy(make_mesh(mesh_spec), rules,
-                        pipeline=PipelineConfig(schedule, m, virtual_stages=2, layers_per_stage=(split or ["equal"])[0]))
+                        parts=(Pipeline(schedule, m, virtual_stages=2, layers_per_stage=(split or ["equal"])[0]),))
     ref_losses, ref_final = reference
     assert falls([loss for loss, _ in ref_losses])
     losses, final, compiled = train(strategy, init_model)
-    check_reductions_once_per_step(compiled, strategy.mesh, strategy.pipeline_schedule())
+    check_reductions_once_per_step(compiled, strategy.mesh, pipeline_schedule(strategy.mesh, strategy.part(Pipeline)))
     # Losses (and nll) step by step; after 5 momentum-SGD steps every parameter, so every gradient.
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     close(eqx.filter(final, eqx.is_array), eqx.filter(ref_final, eqx.is_array), rtol=1e-4, atol=1e-5)
@@ -127,7 +128,7 @@ def test_pipeline_with_context_parallelism_trains_like_one_device(init_model, re
     same branch of the tick); no ring permutes run there.
     """
     strategy = Strategy(make_mesh("pipeline=2,context=2,tensor=2"), "tp",
-                        pipeline=PipelineConfig("1f1b", 4), context=ContextConfig("ring", block=4))
+                        parts=(Pipeline("1f1b", 4), Context("ring", block=4)))
     ref_losses, ref_final = reference
     losses, final, compiled = train(strategy, init_model)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -216,7 +217,7 @@ def test_a_users_own_model_runs_as_a_pipeline():
     model = UserLM(48, 32, 4, key=jax.random.key(3))
     assert isinstance(model, nn.LanguageModel) and not isinstance(model, nn.GPT)
     ref_losses, ref_final = train(Strategy(), model, vocab=48)[:2]
-    strategy = Strategy(make_mesh("pipeline=4,data=2"), "dp", pipeline=PipelineConfig("1f1b", 4))
+    strategy = Strategy(make_mesh("pipeline=4,data=2"), "dp", parts=(Pipeline("1f1b", 4),))
     losses, final, _ = train(strategy, model, vocab=48)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     close(eqx.filter(final, eqx.is_array), eqx.filter(ref_final, eqx.is_array), rtol=1e-4, atol=1e-5)
@@ -265,7 +266,7 @@ def test_zero_bubble_gradients_equal_1f1b_and_one_device(mesh_spec, rules, init_
     (loss, _), ref = Strategy().grad_fn()(init_model, batch)
     out = {}
     for schedule in ("1f1b", "zb1"):
-        strategy = Strategy(make_mesh(mesh_spec), rules, pipeline=PipelineConfig(schedule, 4))
+        strategy = Strategy(make_mesh(mesh_spec), rules, parts=(Pipeline(schedule, 4),))
         out[schedule] = strategy.grad_fn()(strategy.place_model(init_model), strategy.batch(batch))
     (loss_1f1b, _), g_1f1b = out["1f1b"]
     (loss_zb, _), g_zb = out["zb1"]

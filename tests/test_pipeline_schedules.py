@@ -231,7 +231,7 @@ def test_mesh_and_schedule_must_agree():
         pipeline_grad_fn(make_mesh("pipeline=4,data=2"), one_f_one_b(2, 4))
     with pytest.raises(ValueError, match="needs microbatches"):
         pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b")
-    with pytest.raises(ValueError, match=r"no context attention; pass context=ContextConfig"):
+    with pytest.raises(ValueError, match=r"no context attention; pass context=Context"):
         pipeline_grad_fn(make_mesh("pipeline=4,context=2"), "1f1b", 4)
     with pytest.raises(ValueError, match="divisible by the 4 stages"):
         pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "interleaved", 6)

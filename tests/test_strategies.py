@@ -51,7 +51,7 @@ STRATEGIES = {
                               "--microbatches", "4"],
     "pipeline=2,fsdp=2,tensor=2 zb1": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
                                        "--pipeline", "zb1", "--microbatches", "4"],
-    # Collective matmul and gradient buckets (eqgpt.parallel.communication), each next to the same strategy without.
+    # Collective matmul and gradient buckets (the manual part's settings), each next to the same strategy without.
     "manual data=2,tensor=4 sp cm+buckets": ["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual",
                                              "--collective-matmul", "--bucket-mb", "0.01"],
     "manual data=2,tensor=4 tp": ["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual"],

@@ -4,6 +4,7 @@ and no method of `Strategy` branches on which parallelism it runs."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 
 import jax
@@ -14,13 +15,12 @@ import pytest
 import eqgpt.parallel.strategy as strategy_module
 from eqgpt.data import Batch
 from eqgpt.nn import GPT
-from eqgpt.parallel import PipelineConfig, Strategy, make_mesh
-from eqgpt.parallel.context import ContextConfig
+from eqgpt.parallel import Context, Pipeline, Strategy, make_mesh
 from eqgpt.parallel.part import Part
 from eqgpt.train import TrainState, make_train_step
 from helpers import TINY
 
-# The fields that ask for a part; `Strategy`'s methods must never test them.
+# The fields that once asked for a part; `Strategy`'s methods must never test them.
 PART_FIELDS = {"pipeline", "context", "manual", "zero", "offload_opt_state", "offload_params"}
 
 
@@ -62,7 +62,7 @@ class LoggingPart(Part):
 
 def test_a_part_of_your_own_plugs_in_and_training_runs():
     part = LoggingPart()
-    strategy = Strategy(extra_parts=(part,))
+    strategy = Strategy(parts=(part,))
     assert strategy.parts == (part,) and part.log == ["validate"]
     assert strategy.describe() == "single device | logged"
 
@@ -86,21 +86,25 @@ def test_a_part_folds_after_the_built_in_ones():
     part = LoggingPart(axes=frozenset({"tensor"}))
     mesh = make_mesh("pipeline=2,data=2,tensor=2")
     with pytest.raises(ValueError, match=r"\['tensor'\].*add 'tp' or 'sp'"):
-        Strategy(mesh, "dp", pipeline=PipelineConfig("1f1b", 2))
-    strategy = Strategy(mesh, "dp", pipeline=PipelineConfig("1f1b", 2), extra_parts=(part,))  # tensor is claimed
-    assert [type(p).__name__ for p in strategy.parts] == ["PipelinePart", "LoggingPart"]
+        Strategy(mesh, "dp", parts=(Pipeline("1f1b", 2),))
+    strategy = Strategy(mesh, "dp", parts=(part, Pipeline("1f1b", 2)))  # tensor is claimed
+    assert [type(p).__name__ for p in strategy.parts] == ["Pipeline", "LoggingPart"]
     assert strategy.describe() == "dp | pipeline 1f1b m=2 | logged"
     assert strategy.rows_divisor == 4 and "tensor" in strategy.axes_used
 
 
-def test_fields_build_the_parts_in_a_fixed_order():
-    strategy = Strategy(make_mesh("data=8"), "dp", zero=1, manual=True, offload_opt_state=True)
-    assert [type(p).__name__ for p in strategy.parts] == ["ZeroPart", "ManualPart", "OffloadPart"]
+def test_parts_fold_in_a_fixed_order():
+    strategy = Strategy.parse("data=8", "dp", zero=1, manual=True, offload_opt_state=True)
+    assert [type(p).__name__ for p in strategy.parts] == ["Zero", "Manual", "Offload"]
     assert strategy.describe() == "dp | zero1 | manual | optimizer state on host"
-    ctx = Strategy(make_mesh("pipeline=2,context=2,tensor=2"), "tp", pipeline=PipelineConfig(),
-                   context=ContextConfig("ring"))
-    assert [type(p).__name__ for p in ctx.parts] == ["PipelinePart", "ContextPart"]
+    ctx = Strategy(make_mesh("pipeline=2,context=2,tensor=2"), "tp", parts=(Context("ring"), Pipeline()))
+    assert [type(p).__name__ for p in ctx.parts] == ["Pipeline", "Context"]
+    assert ctx.part(Context) == Context("ring") and Strategy().part(Context) is None
     assert Strategy().parts == ()
+
+
+def test_strategy_has_no_part_specific_field():
+    assert [f.name for f in dataclasses.fields(Strategy)] == ["mesh", "rules", "overrides", "parts"]
 
 
 def _branch_tests(tree: ast.AST):

@@ -18,7 +18,7 @@ from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_cor
 
 import eqgpt
 from eqgpt.parallel import Strategy, make_mesh
-from eqgpt.parallel.context import ContextConfig, ulysses_bytes
+from eqgpt.parallel.context import Context, ulysses_bytes
 from eqgpt.profile import collectives
 
 STEPS = 5
@@ -68,7 +68,7 @@ def test_compiled_step_has_four_all_to_alls_per_attention_layer_of_the_analytic_
     """q, k, v to head-sharded and the output back: four all-to-alls over `context` per layer
     forward (and their four transposes backward), each sending `(n-1)/n` of its block."""
     config = eqgpt.preset("llama-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, seq_len=32)
-    strategy = Strategy(make_mesh("context=4,data=2"), "dp", context=ContextConfig("ulysses"))
+    strategy = Strategy(make_mesh("context=4,data=2"), "dp", parts=(Context("ulysses"),))
     compiled, _ = compiled_step(config, strategy)
     rows = [r for r in collectives(compiled, strategy.mesh) if r.kind == "all-to-all"]
     n, layers, head_dim = 4, config.num_layers, config.embed_dim // config.num_heads

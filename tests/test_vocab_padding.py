@@ -15,8 +15,8 @@ import eqgpt
 from eqgpt import nn
 from eqgpt.data import Batch
 from eqgpt.interop import hf as hf_mod
-from eqgpt.parallel import Strategy, make_mesh
-from eqgpt.parallel.context import ContextConfig, strip_context_attention
+from eqgpt.parallel import Manual, Strategy, make_mesh
+from eqgpt.parallel.context import Context, strip_context_attention
 from eqgpt.sample import generate
 from eqgpt.train import load_model, save_model
 
@@ -126,12 +126,12 @@ def test_loss_and_gradients_equal_the_unpadded_model(config):
     np.testing.assert_allclose(np.asarray(logits_p), np.asarray(logits), rtol=1e-6, atol=1e-6)
 
 
-MANUAL_TP = Strategy(make_mesh("data=2,tensor=4"), "dp+tp", manual=True)  # vocabulary-parallel head
+MANUAL_TP = Strategy(make_mesh("data=2,tensor=4"), "dp+tp", parts=(Manual(),))  # vocabulary-parallel head
 
 
 @pytest.mark.parametrize("strategy, config", [
     (MANUAL_TP, GPT2), (MANUAL_TP, LLAMA),
-    (Strategy(make_mesh("data=4,context=2"), "dp", context=ContextConfig("allgather", block=4)), GPT2),
+    (Strategy(make_mesh("data=4,context=2"), "dp", parts=(Context("allgather", block=4),)), GPT2),
 ], ids=["manual-tp-tied", "manual-tp-untied", "context"])
 def test_strategies_with_their_own_head_mask_the_padding(strategy, config):
     """The loss paths that do not go through `lm_loss`'s fused head: same loss and gradients as the

@@ -34,7 +34,7 @@ OPTIMIZER = make_optimizer(1e-3, clip_norm=0.5, weight_decay=0.1)
 @functools.cache
 def run(mesh: str, rules: str, zero: int = 0, manual: bool = False):
     """5 steps of `make_train_step`: losses, final arrays, compiled step, strategy, start state."""
-    strategy = Strategy(par.make_mesh(mesh), rules, manual=manual, zero=zero)
+    strategy = Strategy.parse(mesh, rules, zero=zero, manual=manual)
     model = strategy.init_model(lambda k: nn.GPT(CONFIG, key=k), jax.random.key(0))
     state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(1))
     step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
@@ -166,11 +166,11 @@ def test_zero1_all_reduces_gradients_and_all_gathers_parameters():
 
 def test_zero_configuration_errors():
     with pytest.raises(ValueError, match="data=N"):
-        Strategy(par.make_mesh("tensor=8"), "tp", zero=1)
+        Strategy(par.make_mesh("tensor=8"), "tp", parts=(par.Zero(1),))
     with pytest.raises(ValueError, match="ZeRO-3"):
-        Strategy(par.make_mesh("data=2,fsdp=4"), "dp+fsdp", zero=2)
+        Strategy(par.make_mesh("data=2,fsdp=4"), "dp+fsdp", parts=(par.Zero(2),))
     with pytest.raises(ValueError, match="automatic path"):
-        Strategy(par.make_mesh("data=4,tensor=2"), "dp+tp", manual=True, zero=2)
+        Strategy(par.make_mesh("data=4,tensor=2"), "dp+tp", parts=(par.Manual(), par.Zero(2)))
     with pytest.raises(ValueError, match="needs a mesh"):
-        Strategy(zero=1)
+        Strategy(parts=(par.Zero(1),))
     assert Strategy.parse("data=8", "dp", zero=2).describe() == "dp | zero2"

@@ -361,3 +361,12 @@ def moe_loss(
         "moe_load_max": jnp.max(load) * load.shape[0],
     }
     return config.aux_loss_weight * balance + config.router_z_weight * router_z, metrics
+
+
+def _is_moe(x) -> bool:
+    return isinstance(x, MoE)
+
+
+def moe_layers(model) -> list[MoE]:
+    """The `MoE` layers of `model` (one per stacked block: stacked layers count once)."""
+    return [x for x in jax.tree.leaves(model, is_leaf=_is_moe) if _is_moe(x)]

@@ -21,7 +21,7 @@ collectives under `jax.shard_map`, manual over the axes that split the rows
 (`expert`, `data`, `fsdp`; `tensor` stays with the automatic partitioner, so
 data, FSDP and tensor parallelism compose). Where `expert`
 is already manual (inside the pipeline's `shard_map`) it runs the per-device
-steps directly. The alternative, `ExpertConfig(impl="gspmd")`, keeps the local
+steps directly. The alternative, `Expert(impl="gspmd")`, keeps the local
 dispatch and lets GSPMD move the tokens from the activation rules.
 
 Dropless MoE under expert parallelism uses capacity = sequence length (nothing
@@ -39,7 +39,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec, get_abstract_mesh
 from jaxtyping import Array, Float, PyTree
 
-from eqgpt.nn.moe import Experts, LocalExperts, MoE
+from eqgpt.nn.moe import Experts, LocalExperts, moe_layers
 from eqgpt.parallel.collectives import all_gather, all_to_all
 from eqgpt.parallel.part import Part
 from eqgpt.parallel.rules import Rules, entry_axes, is_spec
@@ -48,22 +48,6 @@ AXIS = "expert"
 
 #: Expert weights over `expert`; the batch over it too (it is data-parallel outside the experts).
 EP = Rules(params={"expert": AXIS}, activations={"batch": AXIS, "expert": AXIS}, name="ep")
-
-
-@dataclass(frozen=True)
-class ExpertConfig:
-    """How MoE layers run over the `expert` axis.
-
-    **Fields:** `impl`: "alltoall" (explicit dispatch and combine, `ExpertParallel`)
-    or "gspmd" (the local dispatch, the partitioner places the dispatched tensor
-    by the `expert` activation rule and inserts the exchanges itself).
-    """
-
-    impl: Literal["alltoall", "gspmd"] = "alltoall"
-
-    def __post_init__(self):
-        if self.impl not in ("alltoall", "gspmd"):
-            raise ValueError(f"--expert must be 'alltoall' or 'gspmd', got {self.impl!r}.")
 
 
 def exchange(experts: Experts, x: Float[Array, "experts rows slots embed"]) -> Array:
@@ -119,15 +103,6 @@ class ExpertParallel(eqx.Module):
                              axis_names=set(self.rows))(params, x)
 
 
-def _is_moe(x) -> bool:
-    return isinstance(x, MoE)
-
-
-def moe_layers(model: PyTree) -> list[MoE]:
-    """The `MoE` layers of `model` (one per stacked block: stacked layers count once)."""
-    return [x for x in jax.tree.leaves(model, is_leaf=_is_moe) if _is_moe(x)]
-
-
 def use_dispatch(model: PyTree, dispatch: eqx.Module) -> PyTree:
     """`model` with every MoE layer's `dispatch` replaced (the arrays are unchanged)."""
     layers = moe_layers(model)
@@ -136,12 +111,11 @@ def use_dispatch(model: PyTree, dispatch: eqx.Module) -> PyTree:
     return eqx.tree_at(lambda m: [layer.dispatch for layer in moe_layers(m)], model, [dispatch] * len(layers))
 
 
-def use_expert_parallel(model: PyTree, mesh: Mesh, config: ExpertConfig | None = None,
-                        rules: Rules = EP) -> PyTree:
-    """Install the dispatch of `config` (default: explicit all-to-all) into every MoE layer;
-    `rules` place the batch's rows and the expert weights (they must split the batch over `expert`)."""
-    config = ExpertConfig() if config is None else config
-    if config.impl == "gspmd":
+def use_expert_parallel(model: PyTree, mesh: Mesh, impl: str = "alltoall", rules: Rules = EP) -> PyTree:
+    """Install the dispatch of `impl` ("alltoall": explicit all-to-alls, or "gspmd") into every
+    MoE layer; `rules` place the batch's rows and the expert weights (they must split the batch
+    over `expert`)."""
+    if impl == "gspmd":
         return use_dispatch(model, LocalExperts())
     rows = tuple(a for a in rules.axes("batch", "activations") if a in (AXIS, "data", "fsdp"))
     if AXIS not in rows:
@@ -168,29 +142,35 @@ def check_expert(model_like: PyTree, mesh: Mesh) -> None:
 
 
 @dataclass(frozen=True)
-class ExpertPart(Part):
-    """Expert parallelism as a `Strategy` part: present whenever the mesh's `expert` axis is > 1
-    (`Strategy(expert=ExpertConfig(...))` chooses the implementation)."""
+class Expert(Part):
+    """Expert parallelism: MoE layers' experts over the mesh's `expert` axis. Present whenever
+    that axis is > 1 (`implied`); `Expert("gspmd")` chooses the other implementation."""
 
-    config: ExpertConfig
+    impl: Literal["alltoall", "gspmd"] = "alltoall"
+    """MoE experts over the mesh's 'expert' axis: 'alltoall' (default: explicit dispatch and combine) or 'gspmd' (the partitioner moves the tokens); see docs/parallelism/expert.md."""
 
     name = "expert"
+    order = 30
     hints = {AXIS: "train an MoE model (--model.preset moe-nano) to split its experts"}
+    on_manual_path = False
+    switch = "impl"
+
+    def __post_init__(self):
+        if self.impl not in ("alltoall", "gspmd"):
+            raise ValueError(f"--expert must be 'alltoall' or 'gspmd', got {self.impl!r}.")
 
     @classmethod
-    def of(cls, strategy: Any) -> ExpertPart | None:
-        if strategy.mesh is None or strategy.mesh.shape.get(AXIS, 1) == 1:
-            return None
-        return cls(strategy.expert or ExpertConfig())
+    def implied(cls, mesh: Any) -> Expert | None:
+        return None if mesh is None or mesh.shape.get(AXIS, 1) == 1 else cls()
 
     def axes(self, strategy: Any) -> set[str]:
         return {AXIS}
 
     def validate(self, strategy: Any) -> None:
-        if strategy.manual:
+        if not all(p.automatic for p in strategy.parts):
             raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual for "
                              "expert parallelism (it runs its all-to-alls under shard_map on the automatic path).")
-        if strategy.pipeline is not None and self.config.impl != "alltoall":
+        if self.impl != "alltoall" and any(p.runs_layers for p in strategy.parts):
             raise ValueError("inside the pipeline the experts are exchanged with explicit all-to-alls; "
                              "use --expert alltoall with --pipeline.")
 
@@ -198,13 +178,13 @@ class ExpertPart(Part):
         return rules.merge(EP).update(name=f"{rules.name}+ep")
 
     def prepare(self, strategy: Any, model: PyTree) -> PyTree:
-        return use_expert_parallel(model, strategy.mesh, self.config, strategy.rules)
+        return use_expert_parallel(model, strategy.mesh, self.impl, strategy.rules)
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         check_expert(model_like, strategy.mesh)
 
     def describe(self, strategy: Any) -> str:
-        return f"expert {self.config.impl}"
+        return f"expert {self.impl}"
 
 
 def all_to_all_bytes(*, num_experts: int, rows: int, capacity: int, embed: int, n: int, itemsize: int = 4) -> float:
@@ -214,5 +194,5 @@ def all_to_all_bytes(*, num_experts: int, rows: int, capacity: int, embed: int, 
     return (n - 1) / n * num_experts * rows * capacity * embed * itemsize
 
 
-__all__ = ["EP", "ExpertConfig", "ExpertPart", "ExpertParallel", "exchange", "use_expert_parallel", "use_dispatch",
-           "moe_layers", "check_expert", "all_to_all_bytes"]
+__all__ = ["EP", "Expert", "ExpertParallel", "exchange", "use_expert_parallel", "use_dispatch", "check_expert",
+           "all_to_all_bytes"]

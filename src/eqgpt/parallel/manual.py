@@ -23,15 +23,14 @@ reduce-scatter run as rings interleaved with the matmuls
 parallelism (not SP): their router statistics are summed over the data axes
 before the metrics are formed, and each device's share of the router losses is
 normalised by the whole batch, like the cross-entropy. `manual_grad_fn` plugs into the trainer's
-`grad_fn(model, batch) -> ((loss, aux), grads)` contract; `Strategy(...,
-manual=True)` builds it.
+`grad_fn(model, batch) -> ((loss, aux), grads)` contract; the `Manual` part builds it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import equinox as eqx
@@ -42,10 +41,9 @@ from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import add_router_losses
-from eqgpt.nn.moe import MOE_METRICS, MoEStats
+from eqgpt.nn.moe import MOE_METRICS, MoEStats, moe_layers
 from eqgpt.parallel.buckets import all_reduce_count, bucket_bytes_of, bucketed_all_reduce
 from eqgpt.parallel.collectives import AxisName, all_reduce, to_varying
-from eqgpt.parallel.expert import moe_layers
 from eqgpt.parallel.part import GradFn, LossFn, Part
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules
@@ -336,30 +334,43 @@ def manual_placement(mesh: Mesh, model_like: PyTree) -> ShardedPlacement:
 
 
 @dataclass(frozen=True)
-class ManualPart(Part):
-    """`Strategy(manual=True)`: data x tensor (x sequence) parallelism in one `shard_map`.
+class Manual(Part):
+    """Manual path: data, tensor and (with 'sp' in --strategy) sequence parallelism under shard_map.
 
-    It lays the model out itself (`manual_placement`), so the rules' divisibility
+    `Manual(collective_matmul=True, bucket_mb=4)` sets its options. It lays the model out itself (`manual_placement`), so the rules' divisibility
     is not checked; batches are split by rows over `data` only.
     """
 
+    collective_matmul: bool = field(default=False, metadata={"flag": "collective_matmul"})
+    """With 'sp' in --strategy: each region's all-gather/reduce-scatter as a ring of permutes interleaved with the matmuls (docs/parallelism/sp.md)."""
+    bucket_mb: float | None = field(default=None, metadata={"flag": "bucket_mb"})
+    """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
+
     name = "manual"
+    order = 50
     automatic = False
     needs_shapes = True  # `manual_placement` checks the model's sizes against `tensor`
 
-    @classmethod
-    def of(cls, strategy: Any) -> ManualPart | None:
-        return cls() if strategy.manual else None
+    def __post_init__(self):
+        if self.bucket_mb is not None:
+            bucket_bytes_of(self.bucket_mb)  # > 0
 
     def axes(self, strategy: Any) -> set[str]:
         return {"data", TENSOR}
 
     def validate(self, strategy: Any) -> None:
-        if strategy.pipeline or strategy.context:
+        if not all(p.on_manual_path for p in strategy.parts):
             raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual "
                              "to combine pipeline or context parallelism (they run on the automatic path).")
         if "fsdp" in strategy.rules.uses("params", strategy.mesh):
             raise ValueError("the manual path has no FSDP; use --strategy dp+tp (or dp+sp) with --manual.")
+        if self.collective_matmul:
+            if strategy.mesh.shape.get(TENSOR, 1) < 2:
+                raise ValueError("collective_matmul (--collective-matmul) splits the tensor axis's collectives into "
+                                 "ring steps; the mesh has no tensor axis > 1: add one, e.g. --mesh data=2,tensor=4.")
+            if not strategy.sequence_parallel:
+                raise ValueError("collective_matmul (--collective-matmul) needs sequence parallelism: use 'sp' in "
+                                 "--strategy (e.g. dp+sp); plain tp's all-reduce, decomposed, is SP's layout.")
 
     def placement(self, strategy: Any, model_like: PyTree) -> ShardedPlacement:
         return manual_placement(strategy.mesh, model_like)
@@ -373,6 +384,9 @@ class ManualPart(Part):
                              "parallelism (the router needs the whole sequence); use --strategy dp+tp, or drop "
                              "--manual.")
         tensor = strategy.mesh.shape[TENSOR]
+        if self.collective_matmul and seq_len % tensor:
+            raise ValueError(f"collective_matmul (--collective-matmul) splits the sequence into tensor={tensor} "
+                             f"ring chunks; seq_len {seq_len} is not divisible by {tensor}: use a multiple of {tensor}.")
         check_tensor_parallel(model_like, tensor)
         if strategy.sequence_parallel and seq_len % tensor:
             raise ValueError(f"sequence parallelism splits the sequence over tensor={tensor}"
@@ -381,17 +395,33 @@ class ManualPart(Part):
     def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
         return manual_loss_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
-                              chunk_size=chunk_size, z_loss=z_loss, collective_matmul=strategy.collective_matmul)
+                              chunk_size=chunk_size, z_loss=z_loss, collective_matmul=self.collective_matmul)
 
     def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn:
         return manual_grad_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
                               chunk_size=chunk_size, z_loss=z_loss, policy=policy,
-                              collective_matmul=strategy.collective_matmul,
-                              bucket_bytes=bucket_bytes_of(strategy.bucket_mb))
+                              collective_matmul=self.collective_matmul, bucket_bytes=bucket_bytes_of(self.bucket_mb))
 
     def describe(self, strategy: Any) -> str:
-        return "manual"
+        extra = (["collective matmul"] if self.collective_matmul else []) + (
+            [f"buckets {self.bucket_mb:g} MiB"] if self.bucket_mb is not None else [])
+        return ", ".join(["manual", *extra])
 
 
-__all__ = ["ManualPart", "manual_grad_fn", "manual_loss_fn", "manual_placement", "reduce_gradients"]
+def bucket_report(strategy: Any, model_like: PyTree) -> str | None:
+    """One line for a run's log: the manual path's gradient all-reduces per step, without and
+    with its buckets; `None` where the strategy has no manual path with buckets (a pipeline's
+    count is in its compiled program: `eqgpt.profile.collectives`).
+
+    **Arguments:** the `Strategy`, the model or its `jax.eval_shape`.
+    """
+    manual = strategy.part(Manual)
+    if manual is None or manual.bucket_mb is None:
+        return None
+    before, after = manual_grad_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
+                                   bucket_bytes=bucket_bytes_of(manual.bucket_mb)).all_reduce_counts
+    return f"gradient all-reduces per step: {before} -> {after} (buckets of at most {manual.bucket_mb:g} MiB)"
+
+
+__all__ = ["Manual", "bucket_report", "manual_grad_fn", "manual_loss_fn", "manual_placement", "reduce_gradients"]

@@ -1,13 +1,13 @@
 """Host offload of the optimizer state (and the parameters): they live in pinned host memory between steps.
 
 AdamW keeps two fp32 moments per parameter, twice the parameters' own bytes. With
-`Strategy(offload_opt_state=True)` those arrays stay in the `pinned_host` memory of
+`Offload(opt_state=True)` those arrays stay in the `pinned_host` memory of
 each device's host (same sharding, other memory kind): the compiled step copies them
 to the device for the update and back afterwards. Device memory between steps drops
 by the optimizer state's bytes; each step moves them host -> device -> host once
 (`2 x 8 bytes` per local parameter for AdamW), which a GPU overlaps with compute.
 
-`Strategy(offload_params=True)` does the same with the model's arrays (under FSDP
+`Offload(params=True)` does the same with the model's arrays (under FSDP
 each device's shard): they are copied to the device before the forward pass, and
 the updated arrays back after the update (4 bytes each way per local fp32 parameter).
 Between steps the device then holds neither; inside the step, as without offload.
@@ -61,19 +61,17 @@ def to_host(tree: PyTree) -> PyTree:
 
 
 @dataclass(frozen=True)
-class OffloadPart(Part):
-    """`Strategy(offload_opt_state=..., offload_params=...)`: what lives in host memory between steps."""
+class Offload(Part):
+    """What lives in pinned host memory between steps: `Offload(opt_state=True, params=False)`."""
 
     opt_state: bool = False
+    """Keep the optimizer state in pinned host memory between steps (docs/memory.md)."""
     params: bool = False
+    """Keep the parameters in pinned host memory between steps too (with FSDP, each device's shard; docs/memory.md)."""
 
     name = "offload"
+    order = 60
     needs_mesh = False
-
-    @classmethod
-    def of(cls, strategy: Any) -> OffloadPart | None:
-        wanted = strategy.offload_opt_state or strategy.offload_params
-        return cls(strategy.offload_opt_state, strategy.offload_params) if wanted else None
 
     def validate(self, strategy: Any) -> None:
         check_host_memory()
@@ -104,4 +102,4 @@ class OffloadPart(Part):
         return f"{' and '.join(on_host)} on host"
 
 
-__all__ = ["HOST", "OffloadPart", "check_host_memory", "place_on_host", "place_on_device", "to_device", "to_host"]
+__all__ = ["HOST", "Offload", "check_host_memory", "place_on_host", "place_on_device", "to_device", "to_host"]

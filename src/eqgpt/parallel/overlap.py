@@ -1,4 +1,4 @@
-"""Overlap communication with compute on the automatic path: `Strategy(..., overlap=True)`.
+"""Overlap communication with compute on the automatic path: the `Overlap` part.
 
 Two things, one switch (`--overlap` in `recipes/train_gpt.py`):
 
@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -266,15 +267,13 @@ def install_prefetch(model: PyTree, strategy: Any) -> PyTree:
                        PrefetchStack(model.shard, strategy.mesh, tuple(layer), tuple(_without(s, axes) for s in layer)))
 
 
-class OverlapPart(Part):
-    """`Strategy(overlap=True)`: XLA's overlap flags checked, FSDP weight gathers prefetched."""
+@dataclass(frozen=True)
+class Overlap(Part):
+    """Overlap communication with compute: XLA's GPU scheduler flags (set before JAX starts) and FSDP weight prefetch; see docs/course/17-optimizing-communication.md."""
 
     name = "overlap"
+    order = 70
     needs_mesh = False  # harmless on one device: nothing to overlap
-
-    @classmethod
-    def of(cls, strategy: Any) -> OverlapPart | None:
-        return cls() if strategy.overlap else None
 
     def validate(self, strategy: Any) -> None:
         if not overlap_flags_set():
@@ -290,7 +289,7 @@ class OverlapPart(Part):
                 model_like: PyTree) -> LossFn:
         if not prefetch_axes(strategy):
             return loss  # no weights split over fsdp: the flags are all overlap does
-        if not all(p.automatic for p in strategy.parts) or strategy.pipeline:
+        if not all(p.automatic and not p.runs_layers for p in strategy.parts):
             _log.info("overlap: the pipeline runs the layers itself; FSDP weights are not prefetched")
             return loss
 
@@ -303,5 +302,5 @@ class OverlapPart(Part):
         return "overlap"
 
 
-__all__ = ["OVERLAP_FLAGS", "OverlapPart", "PrefetchStack", "install_prefetch", "overlap_flags_set",
+__all__ = ["OVERLAP_FLAGS", "Overlap", "PrefetchStack", "install_prefetch", "overlap_flags_set",
            "prefetch_axes", "set_overlap_flags"]

@@ -1,11 +1,14 @@
 """`Part`: one kind of parallelism, as a `Strategy` ingredient that answers for itself.
 
 A `Strategy` is a mesh, a rule set and a tuple of parts (`Strategy.parts`): the
-pipeline, context parallelism, ZeRO, the manual path, host offload. Every method
-of `Strategy` folds over its parts in order and asks each the same questions;
-none asks which parts it has. A part's decisions (its axes, its checks, its
-placement, its loss) live in its own module, next to the parallelism itself:
-`pipeline/part.py`, `context/part.py`, `zero.py`, `manual.py`, `offload.py`.
+pipeline, context parallelism, ZeRO, the manual path, host offload. A part is a
+frozen dataclass of its own settings (`Pipeline("1f1b", microbatches=8)`). Every
+method of `Strategy` folds over its parts in `order` and asks each the same
+questions; none asks which parts it has. A part's decisions (its axes, its checks,
+its placement, its loss) live in its own module, next to the parallelism itself:
+`pipeline/part.py`, `context/part.py`, `expert.py`, `zero.py`, `manual.py`,
+`offload.py`, `overlap.py`. No part module imports another: parts ask each other
+through the class attributes below (`automatic`, `runs_layers`, `sequence_axis`).
 
 Each method below is a no-op by default, so a part overrides only what it changes.
 Two kinds of hook:
@@ -16,14 +19,15 @@ Two kinds of hook:
 - **choices** (`placement`, `batch_rules`, `grad_fn`): the first part that
   returns something other than `None` decides; without one, the automatic path's.
 
-Every method takes the `Strategy` first (its mesh, rules and the other parts'
-fields): parts are built before the strategy's rules are final.
+Every method takes the `Strategy` first (its mesh, rules and the other parts):
+parts are built before the strategy's rules are final.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from jaxtyping import Array, PyTree
 
@@ -36,34 +40,58 @@ LossFn = Callable[[PyTree, Batch], tuple[Array, dict[str, Array]]]
 GradFn = Callable[[PyTree, Batch], tuple[tuple[Array, dict[str, Array]], PyTree]]
 Update = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
 
+#: Every `Part` class defined so far (their `hints` and `implied` parts), in definition order.
+KINDS: list[type[Part]] = []
 
+
+@dataclass(frozen=True)
 class Part:
     """One ingredient of a `Strategy`; subclass and override what the ingredient changes.
 
     **Class attributes:**
 
     - `name`: how errors name the part (`"pipeline needs a mesh"`).
+    - `order`: where `Strategy` folds it (lower first); parts of your own default to 100.
     - `needs_mesh`: whether one device cannot run it (`Strategy` raises `ValueError`).
     - `hints`: mesh axis -> how to use it, shown when that axis is left unused. Read
-      from the part's *class*, so a strategy without the part still gives the hint.
-    - `microbatches`: what the rows of a step are split into in turn (a pipeline's
-      microbatches); `None` for no split.
+      from the part's *class* (`KINDS`), so a strategy without the part still gives the hint.
     - `automatic`: whether the partitioner lays out the part's work by the rules
       (so `check` tests the rules' divisibility); the manual path does it itself.
+    - `on_manual_path`: whether it composes with a part that is not `automatic`.
+    - `runs_layers`: whether it runs the layer stack itself (a pipeline's stages).
     - `needs_shapes`: whether `placement` reads the model's shapes, so that
       `Strategy.init_model` computes them first (`jax.eval_shape` of `make`).
+    - `switch`: the setting that turns the part on from flags (`--pipeline 1f1b`),
+      or `None` (`--manual`); see `eqgpt.parallel.flags`.
     """
 
-    name: str = "part"
-    needs_mesh: bool = True
-    hints: Mapping[str, str] = {}
-    microbatches: int | None = None
-    automatic: bool = True
-    needs_shapes: bool = False
+    name: ClassVar[str] = "part"
+    order: ClassVar[int] = 100
+    needs_mesh: ClassVar[bool] = True
+    hints: ClassVar[Mapping[str, str]] = {}
+    automatic: ClassVar[bool] = True
+    on_manual_path: ClassVar[bool] = True
+    runs_layers: ClassVar[bool] = False
+    needs_shapes: ClassVar[bool] = False
+    switch: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        KINDS.append(cls)
 
     @classmethod
-    def of(cls, strategy: Any) -> Part | None:
-        """The part a strategy's fields ask for, or `None` (the fields leave it out)."""
+    def implied(cls, mesh: Any) -> Part | None:
+        """The part a strategy on `mesh` holds when none of this kind is given, or `None`."""
+        return None
+
+    @property
+    def microbatches(self) -> int | None:
+        """What the rows of a step are split into in turn (a pipeline's microbatches), or `None`."""
+        return None
+
+    @property
+    def sequence_axis(self) -> str | None:
+        """The mesh axis the part splits the sequence over, or `None`."""
         return None
 
     # ------------------------------------------------------------------ construction
@@ -149,8 +177,5 @@ class Part:
         the part runs it (`extra_args`: optax extra arguments, e.g. ZeRO's `norm_fn`)."""
         return update
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
-
-__all__ = ["Part", "LossFn", "GradFn", "Update"]
+__all__ = ["Part", "KINDS", "LossFn", "GradFn", "Update"]

@@ -1,8 +1,8 @@
 """`Strategy`: one object that describes a parallelism completely.
 
-A strategy is data: a mesh, a rule set (`"dp"`, `"fsdp+tp"`, ...), and optionally
-a pipeline schedule, a context-attention kernel, the manual (`shard_map`) path,
-ZeRO, host offload. It gives the trainer everything it needs and nothing else:
+A strategy is data: a mesh, a rule set (`"dp"`, `"fsdp+tp"`, ...), per-module
+`overrides`, and its parts: `Strategy(mesh, "fsdp+tp", parts=(Pipeline("1f1b", 8),
+Context("ring")))`. It gives the trainer everything it needs and nothing else:
 
 - a `Placement` (the strategy *is* one): where the model, the optimizer state and
   each batch live;
@@ -10,10 +10,10 @@ ZeRO, host offload. It gives the trainer everything it needs and nothing else:
   where the parallel forms of the loss are chosen;
 - `loss_fn()`: the same loss without gradients, for validation.
 
-Each optional ingredient is a `Part` (`eqgpt.parallel.part`) that answers for
-itself in its own module; `Strategy` builds them from its fields (`PARTS`, in
-that order) and folds over `strategy.parts` in every method, never asking which
-ones it has. The rules alone are the automatic path.
+Each part (`eqgpt.parallel.part.Part`) is a frozen dataclass of its own settings that
+answers for itself in its own module; `Strategy` sorts them by their `order` and folds
+over them in every method, never asking which ones it has. `strategy.part(Context)`
+answers the questions of code outside `parallel/`. The rules alone are the automatic path.
 
 A single device is the same protocol: `Strategy()`. The parameter tree never
 changes: context attention swaps the attention *kernel* (`Attention.with_kernel`),
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 import jax
 from jax.sharding import Mesh
@@ -40,26 +40,15 @@ from jaxtyping import PRNGKeyArray, PyTree
 from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_batch_loss
 from eqgpt.parallel.auto import check_divisibility
-from eqgpt.parallel.communication import CommunicationPart
-from eqgpt.parallel.context.kernel import ContextConfig
 from eqgpt.parallel.context.model import strip_context_attention
-from eqgpt.parallel.context.part import ContextPart
-from eqgpt.parallel.expert import ExpertConfig, ExpertPart
-from eqgpt.parallel.manual import ManualPart
+from eqgpt.parallel.flags import ParallelFlags
 from eqgpt.parallel.mesh import make_mesh
-from eqgpt.parallel.offload import OffloadPart
-from eqgpt.parallel.overlap import OverlapPart
-from eqgpt.parallel.part import GradFn, LossFn, Part, Update
-from eqgpt.parallel.pipeline.part import PipelineConfig, PipelinePart, pipeline_schedule
+from eqgpt.parallel.part import KINDS, GradFn, LossFn, Part, Update
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
 from eqgpt.parallel.rules import Rules, preset_rules
-from eqgpt.parallel.zero import ZeroPart
 from eqgpt.precision import Policy
 
-# The parts a strategy's fields can ask for, in the order every method folds over them
-# (and `describe` lists them). A new kind of parallelism is one module and one entry here.
-PARTS: tuple[type[Part], ...] = (PipelinePart, ContextPart, ExpertPart, ZeroPart, CommunicationPart, ManualPart,
-                                  OffloadPart, OverlapPart)
+P = TypeVar("P", bound=Part)
 
 # How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
 RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
@@ -79,53 +68,27 @@ class Strategy:
 
     - `mesh`: a mesh from `make_mesh`, or `None` for one device.
     - `rules`: a rule set or a preset string (`"dp"`, `"fsdp+tp"`, `"dp+sp"`, ...).
-    - `pipeline`: a `PipelineConfig` to run the layers as a pipeline over `pipeline`.
-    - `context`: an `eqgpt.parallel.context.ContextConfig` to split the sequence
-      over `context` with ring or all-gather attention.
-    - `manual`: run data and tensor (and, with `sp` in `rules`, sequence)
-      parallelism under `shard_map` with explicit collectives.
     - `overrides`: per-module rule sets (see `eqgpt.parallel.auto`).
-    - `zero`: 1 or 2 to split the optimizer state over `data` while parameters stay
-      replicated (ZeRO-1: gradients all-reduced; ZeRO-2: reduce-scattered); see
-      `eqgpt.parallel.zero`.
-    - `offload_opt_state`: keep the optimizer state in pinned host memory between
-      steps (`eqgpt.parallel.offload`).
-    - `offload_params`: keep the model's arrays there too (with FSDP each device's
-      shard): the step copies them in before the forward pass and the updated ones out.
-    - `expert`: an `eqgpt.parallel.expert.ExpertConfig`: how MoE layers' experts run
-      over the mesh's `expert` axis (default, whenever that axis is > 1: explicit
-      all-to-alls; see `docs/parallelism/expert.md`).
-    - `collective_matmul`, `bucket_mb`: collective matmul under manual SP, and gradient
-      all-reduces in buckets of `bucket_mb` MiB (`eqgpt.parallel.communication`).
-    - `overlap`: overlap communication with compute: XLA's GPU scheduler flags (set
-      before the backend starts: `eqgpt.parallel.overlap.set_overlap_flags`) and FSDP
-      weight prefetch (`eqgpt.parallel.overlap`).
-    - `extra_parts`: `eqgpt.parallel.part.Part`s of your own, folded after those
-      the fields above ask for.
+    - `parts`: `eqgpt.parallel.part.Part`s, each a kind of parallelism with its settings:
+      `Pipeline`, `Context`, `Expert` (implied whenever the mesh's `expert` axis is > 1),
+      `Zero`, `Manual`, `Offload`, `Overlap`, or your own. Kept sorted by their `order`.
 
-    `parts` holds every part, in the order the methods fold over them. Build from
-    flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)`.
+    Build from flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)` or
+    `eqgpt.parallel.ParallelFlags(...).strategy()`.
     """
 
     mesh: Mesh | None = None
     rules: Rules | str = "dp"
-    pipeline: PipelineConfig | None = None
-    context: Any = None  # eqgpt.parallel.context.ContextConfig
-    manual: bool = False
     overrides: Mapping[str, Rules] | None = None
-    zero: Literal[0, 1, 2] = 0
-    offload_opt_state: bool = False
-    offload_params: bool = False
-    expert: ExpertConfig | None = None
-    overlap: bool = False
-    extra_parts: tuple[Part, ...] = ()
-    collective_matmul: bool = False
-    bucket_mb: float | None = None
+    parts: tuple[Part, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "rules", preset_rules(self.rules))
-        parts = (*(p for kind in PARTS if (p := kind.of(self)) is not None), *self.extra_parts)
-        object.__setattr__(self, "_parts", parts)
+        given = tuple(self.parts)
+        implied = [p for kind in KINDS if not any(isinstance(g, kind) for g in given)
+                   and (p := kind.implied(self.mesh)) is not None]
+        parts = tuple(sorted((*given, *implied), key=lambda p: p.order))
+        object.__setattr__(self, "parts", parts)
         needy = [p.name for p in parts if p.needs_mesh]
         if self.mesh is None and needy:
             raise ValueError(f"{', '.join(needy)} needs a mesh, e.g. --mesh pipeline=2,data=2; "
@@ -143,8 +106,7 @@ class Strategy:
         unused = [a for a in self.mesh.axis_names if self.mesh.shape[a] > 1 and a not in self.axes_used]
         if not unused:
             return
-        kinds = (*PARTS, *(type(p) for p in self.extra_parts))
-        hints = {**RULE_HINTS, **{a: h for kind in kinds for a, h in kind.hints.items()}}
+        hints = {**RULE_HINTS, **{a: h for kind in KINDS for a, h in kind.hints.items()}}
         raise ValueError(
             f"mesh axes {unused} (sizes {[self.mesh.shape[a] for a in unused]}) are used by no part of "
             f"strategy {self.describe()!r}: their devices would repeat the same work. "
@@ -154,49 +116,21 @@ class Strategy:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def parse(
-        cls,
-        mesh: str = "",
-        rules: str = "dp",
-        *,
-        pipeline: str | None = None,
-        microbatches: int = 4,
-        virtual_stages: int = 2,
-        pipeline_layers: str = "equal",
-        context: str | None = None,
-        manual: bool = False,
-        zero: Literal[0, 1, 2] = 0,
-        offload_opt_state: bool = False,
-        offload_params: bool = False,
-        expert: str | None = None,
-        collective_matmul: bool = False,
-        bucket_mb: float | None = None,
-        overlap: bool = False,
-    ) -> Strategy:
-        """A strategy from recipe flags: `--mesh`, `--strategy`, `--pipeline`, `--context`, `--manual`.
+    def parse(cls, mesh: str = "", rules: str = "dp", **flags: Any) -> Strategy:
+        """A strategy from recipe flags, as keywords: `Strategy.parse("pipeline=2,data=4", "dp",
+        pipeline="1f1b", microbatches=8, context="ring", manual=True, zero=1, ...)`.
 
         **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
-        `rules` (presets joined by `+`), `pipeline` (a schedule name or `None`),
-        `microbatches`, `virtual_stages`, `pipeline_layers` ("equal", "auto" or counts
-        such as "4,4,4,0"), `context` ("ring", "allgather", "ulysses" or `None`),
-        `manual`, `zero` (ZeRO stage 0, 1 or 2), `offload_opt_state`, `offload_params`,
-        `expert` ("alltoall", "gspmd" or `None`: the default where the mesh has an `expert` axis),
-        `collective_matmul`, `bucket_mb` (`eqgpt.parallel.communication`), `overlap` (`eqgpt.parallel.overlap`).
+        `rules` (presets joined by `+`), and any flag of `eqgpt.parallel.ParallelFlags` by
+        its name without dashes (`pipeline_layers="4,4,4,0"`, `offload_params=True`, ...).
         """
-        pipe = (PipelineConfig(pipeline, microbatches, virtual_stages, PipelineConfig.parse_layers(pipeline_layers))
-                if pipeline else None)
-        ctx = ContextConfig(impl=context) if context else None
-        return cls(make_mesh(mesh) if mesh else None, rules, pipe, ctx, manual, zero=zero,
-                   offload_opt_state=offload_opt_state, offload_params=offload_params,
-                   expert=ExpertConfig(expert) if expert else None, collective_matmul=collective_matmul,
-                   bucket_mb=bucket_mb, overlap=overlap)
+        return cls(make_mesh(mesh) if mesh else None, rules, parts=ParallelFlags.parts_of(flags))
+
+    def part(self, kind: type[P]) -> P | None:
+        """The strategy's part of class `kind` (`strategy.part(Pipeline)`), or `None`."""
+        return next((p for p in self.parts if isinstance(p, kind)), None)
 
     # ------------------------------------------------------------------ what it uses
-
-    @property
-    def parts(self) -> tuple[Part, ...]:
-        """The strategy's parts (`eqgpt.parallel.part.Part`), in the order its methods fold over them."""
-        return self._parts
 
     @property
     def axes_used(self) -> tuple[str, ...]:
@@ -356,10 +290,6 @@ class Strategy:
         if config is not None and all(p.automatic for p in self.parts):  # the rules lay out every part's work
             check_divisibility(config, self.mesh, self.rules, rows // self._microbatches, seq_len, self.overrides)
 
-    def pipeline_schedule(self):
-        """The pipeline `Schedule` on this mesh (a table of what each stage does at each tick)."""
-        return pipeline_schedule(self.mesh, self.pipeline)
-
     # ------------------------------------------------------------------ the loss
 
     def loss_fn(self, *, chunk_size: int = 128, z_loss: float = 0.0, model_like: PyTree = None) -> LossFn:
@@ -421,4 +351,4 @@ class Strategy:
         return update
 
 
-__all__ = ["Strategy", "PipelineConfig", "PARTS", "Part", "GradFn", "LossFn", "lm_batch_loss"]
+__all__ = ["Strategy", "Part", "GradFn", "LossFn", "lm_batch_loss"]

@@ -23,11 +23,11 @@ stays replicated and is updated whole on every device (norm scales of odd sizes)
 
 Two forms, checked against data parallelism in `tests/test_zero.py`:
 
-- **automatic** (`Strategy(..., zero=1|2)`): a placement that creates the optimizer
+- **automatic** (`Strategy(..., parts=(Zero(1|2),))`): a placement that creates the optimizer
   state in the sharded layout, and `zero_update`, which pins the gradients (ZeRO-2),
   the new optimizer state and the freshly updated blocks to that layout and the new
   parameters back to replicated; the partitioner inserts the collectives.
-- **manual** (`Strategy(..., zero=1|2, manual=True)`): `manual_zero_grad_fn` computes
+- **manual** (`Zero(1|2)` with `Manual()`): `manual_zero_grad_fn` computes
   each device's gradient under `shard_map` and reduce-scatters (or all-reduces) it
   explicitly; `zero_update` then runs the optimizer under `shard_map` on the local
   blocks and `all_gather`s the new parameters.
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -137,16 +137,16 @@ class ZeroPlacement(ShardedPlacement):
         return f"ZeroPlacement(mesh={dict(self.mesh.shape)}, rules={self.rules.name!r})"
 
 
-def check_zero(strategy: Any) -> None:
-    """Raise `ValueError` for a `Strategy` whose ZeRO option cannot work, before anything compiles."""
-    mesh, zero = strategy.mesh, strategy.zero
+def check_zero(strategy: Any, zero: int) -> None:
+    """Raise `ValueError` for a `Strategy` whose ZeRO stage `zero` cannot work, before anything compiles."""
+    mesh = strategy.mesh
     if mesh.shape.get(ZERO_AXIS, 1) < 2:
         raise ValueError(f"zero={zero} splits the optimizer state over the mesh's data axis; add data=N "
                          "(N > 1) to --mesh.")
     if "fsdp" in strategy.rules.uses("params", mesh):
         raise ValueError(f"fsdp already splits parameters, gradients and optimizer state (ZeRO-3); drop "
                          f"--zero {zero} or fsdp from --strategy.")
-    if strategy.manual and strategy.rules.uses("params", mesh):
+    if _manual(strategy) and strategy.rules.uses("params", mesh):
         raise ValueError(f"the manual ZeRO path runs data parallelism only; combine --zero {zero} with "
                          f"{strategy.rules.name} on the automatic path (drop --manual).")
 
@@ -299,24 +299,28 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
 # ------------------------------------------------------------------ the strategy part
 
 
-@dataclass(frozen=True)
-class ZeroPart(Part):
-    """`Strategy(zero=1|2)`: the optimizer state split over `data`, parameters replicated.
+def _manual(strategy: Any) -> bool:
+    """Whether a part of `strategy` computes the gradients itself under `shard_map` (the manual path)."""
+    return not all(p.automatic for p in strategy.parts)
 
-    With `manual`, the gradients come from `manual_zero_grad_fn` and the update runs
+
+@dataclass(frozen=True)
+class Zero(Part):
+    """ZeRO `stage` 1 or 2: the optimizer state split over `data`, parameters replicated.
+
+    On the manual path the gradients come from `manual_zero_grad_fn` and the update runs
     under `shard_map`; otherwise the partitioner inserts the collectives.
     """
 
-    stage: int
-    manual: bool = False
+    stage: Literal[1, 2] = field(default=1, metadata={"cli": Literal[0, 1, 2]})
+    """ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also reduce-scatters gradients); see docs/parallelism/parameter-server.md."""
+
+    order = 40
+    switch = "stage"
 
     def __post_init__(self):
         if self.stage not in (1, 2):
             raise ValueError(f"zero must be 0, 1 or 2 (ZeRO stage), got {self.stage!r}.")
-
-    @classmethod
-    def of(cls, strategy: Any) -> ZeroPart | None:
-        return None if strategy.zero == 0 else cls(strategy.zero, manual=strategy.manual)
 
     @property
     def name(self) -> str:
@@ -326,25 +330,25 @@ class ZeroPart(Part):
         return {ZERO_AXIS}
 
     def validate(self, strategy: Any) -> None:
-        check_zero(strategy)
+        check_zero(strategy, self.stage)
 
     def placement(self, strategy: Any, model_like: PyTree) -> ZeroPlacement:
         return ZeroPlacement(strategy.mesh, strategy.param_rules, strategy.overrides)
 
     def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn | None:
-        if not self.manual:
+        if not _manual(strategy):
             return None  # the strategy's own gradient; `zero_update` pins its layout
         return manual_zero_grad_fn(strategy.mesh, stage=self.stage, policy=policy, chunk_size=chunk_size,
                                    z_loss=z_loss)
 
     def update(self, strategy: Any, update: Update) -> Update:
         return zero_update(update, strategy.mesh, stage=self.stage, rules=strategy.param_rules,
-                           overrides=strategy.overrides, manual=self.manual)
+                           overrides=strategy.overrides, manual=_manual(strategy))
 
     def describe(self, strategy: Any) -> str:
         return f"zero{self.stage}"
 
 
-__all__ = ["ZeroPart", "ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
+__all__ = ["Zero", "ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
            "block_norm"]

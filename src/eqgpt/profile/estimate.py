@@ -152,7 +152,8 @@ def estimate(
     import jax
 
     from eqgpt.nn import GPT
-    from eqgpt.parallel import Strategy
+    from eqgpt.parallel import Pipeline, Strategy, Zero
+    from eqgpt.parallel.zero import zero_specs
 
     if not isinstance(strategy, Strategy):
         strategy = Strategy(mesh, strategy) if mesh is not None else Strategy()
@@ -179,8 +180,7 @@ def estimate(
                                 is_leaf=is_spec)
         local = [_local_size(tuple(x.shape), s, mesh) for x, s in zip(leaves, specs, strict=True)]
         opt_local = local
-        if strategy.zero:
-            from eqgpt.parallel.zero import zero_specs
+        if strategy.part(Zero) is not None:
 
             zspecs = jax.tree.leaves(zero_specs(model_like, mesh, strategy.param_rules, strategy.overrides),
                                      is_leaf=is_spec)
@@ -190,18 +190,19 @@ def estimate(
     opt_state = (2 + master) * 4 * sum(opt_local)
 
     # ---- tokens one device holds at once
+    pipeline = strategy.part(Pipeline)
     tp = shape.get("tensor", 1)
     ctx = shape.get("context", 1)
     rows = batch / strategy.batch_divisor
     layers = config.num_layers
     in_flight = 1.0
-    if strategy.pipeline is not None:
-        p, m = shape.get("pipeline", 1), strategy.pipeline.microbatches
+    if pipeline is not None:
+        p, m = shape.get("pipeline", 1), pipeline.microbatches
         layers = config.num_layers / p
         rows = rows / m
         in_flight = min(p, m)  # 1F1B: at most p microbatches between forward and backward on stage 0
     tokens = rows * seq / ctx
-    batch_bytes = int(2 * 4 * rows * (m if strategy.pipeline is not None else 1) * seq)
+    batch_bytes = int(2 * 4 * rows * (m if pipeline is not None else 1) * seq)
 
     d, f, h, v = config.embed_dim, config.hidden_dim / tp, config.num_heads / tp, config.padded_vocab_size / tp
     sp = strategy.sequence_parallel if mesh is not None else False
@@ -210,7 +211,7 @@ def estimate(
     per_layer = sd * d_saved + sf * f + ss * h * seq
     saved = layers * in_flight * tokens * per_layer
     working = tokens * (WORK_D * d + WORK_F * f + WORK_S * h * seq) + rows * min(128, seq) / ctx * WORK_V * v
-    if strategy.pipeline is not None:
+    if pipeline is not None:
         # The executor keeps only each in-flight microbatch's stage input and recomputes the
         # chunk inside its backward branch: there one microbatch's chunk residuals and their
         # cotangents are live together, working set rather than saved.
@@ -228,7 +229,7 @@ def estimate(
     elif fsdp > 1 or tp > 1:
         family, grads = "sharded", FSDP_GRADS * 4 * n_params * fsdp if fsdp > 1 else 0.0
     else:
-        family, grads = "replicated", ZERO_GRADS * 4 * n_params if strategy.zero else 0.0
+        family, grads = "replicated", ZERO_GRADS * 4 * n_params if strategy.part(Zero) else 0.0
     c_saved, c_work = CALIBRATION[family]
     activations = int(act_bytes * (c_saved * saved + c_work * working))
 

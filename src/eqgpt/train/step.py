@@ -16,6 +16,7 @@ import optax
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
+from eqgpt.parallel.offload import Offload
 from eqgpt.parallel.strategy import GradFn, Strategy
 from eqgpt.precision import Policy
 from eqgpt.train.state import TrainState
@@ -138,5 +139,5 @@ def make_train_step(
 
     # Offloaded arrays are not donated: jax 0.10 aborts aliasing a pinned_host input
     # buffer to the step's output, so under offload the step donates nothing.
-    donate = donate and not (strategy.offload_opt_state or strategy.offload_params)
+    donate = donate and strategy.part(Offload) is None
     return eqx.filter_jit(step, donate="all" if donate else "none")

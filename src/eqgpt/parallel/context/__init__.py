@@ -3,8 +3,8 @@
 - `layout`: zigzag / contiguous orderings of the sequence, applied once to a batch.
 - `ring`, `allgather`, `ulysses`: exact attention inside `shard_map` (k/v rotate, are
   gathered, or all-to-alls make the shards head-sharded for the local kernel).
-- `kernel`: `ContextKernel`, either one behind the ordinary kernel signature, and
-  `ContextConfig`, context parallelism as a `Strategy` ingredient.
+- `kernel`: `ContextKernel`, either one behind the ordinary kernel signature.
+- `part`: `Context`, context parallelism as a `Strategy` part (its settings).
 - `model`: `use_context_attention` swaps it in as the attention modules' kernel
   (the parameter tree does not change).
 - `loss`: rules and the sequence-sharded loss of a `Batch`.
@@ -15,7 +15,7 @@ See `docs/parallelism/context.md`.
 
 from eqgpt.parallel.context.allgather import allgather_attention
 from eqgpt.parallel.context.balance import balance_table, block_counts, step_counts
-from eqgpt.parallel.context.kernel import IMPLS, ContextConfig, ContextKernel
+from eqgpt.parallel.context.kernel import IMPLS, ContextKernel
 from eqgpt.parallel.context.layout import (
     ORDERINGS,
     check_layout,
@@ -36,11 +36,17 @@ from eqgpt.parallel.context.model import (
     strip_context_attention,
     use_context_attention,
 )
+from eqgpt.parallel.context.part import Context
 from eqgpt.parallel.context.ring import ring_attention, ring_attention_with_lse, shard_may_attend
-from eqgpt.parallel.context.ulysses import kv_replication, reads_positions, ulysses_attention, ulysses_bytes
+from eqgpt.parallel.context.ulysses import (
+    kv_replication,
+    reads_positions,
+    ulysses_attention,
+    ulysses_bytes,
+)
 
 __all__ = [
-    "ContextKernel", "ContextConfig", "IMPLS", "use_context_attention", "strip_context_attention",
+    "ContextKernel", "Context", "IMPLS", "use_context_attention", "strip_context_attention",
     "context_kernels", "ring_attention", "ring_attention_with_lse", "shard_may_attend",
     "allgather_attention", "ulysses_attention", "ulysses_bytes", "kv_replication", "reads_positions", "ORDERINGS", "check_layout", "layout_positions", "device_positions",
     "to_layout", "from_layout", "layout_batch", "CP", "context_rules",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -38,31 +37,6 @@ from eqgpt.parallel.context.ulysses import ulysses_attention
 
 Impl = Literal["ring", "allgather", "ulysses"]
 IMPLS: tuple[str, ...] = ("ring", "allgather", "ulysses")
-
-
-@dataclass(frozen=True)
-class ContextConfig:
-    """Context parallelism as a `Strategy` ingredient.
-
-    **Fields:** `impl` ("ring", "allgather" or "ulysses"), `ordering` of the sequence
-    over the devices ("zigzag" balances causal work for ring and all-gather;
-    "contiguous"; Ulysses needs neither), `block` (tile size of the blockwise kernel
-    on each device, ring and all-gather; smaller when a device holds fewer tokens),
-    `axis` (the mesh axis the sequence is split over).
-    """
-
-    impl: Impl = "ring"
-    ordering: Literal["zigzag", "contiguous"] = "zigzag"
-    block: int = 128
-    axis: str = "context"
-
-    def __post_init__(self):
-        if self.impl not in IMPLS:
-            raise ValueError(f"unknown context attention {self.impl!r}; choose one of {IMPLS}.")
-        if self.ordering not in ("zigzag", "contiguous"):
-            raise ValueError(f"unknown context ordering {self.ordering!r}; choose 'zigzag' or 'contiguous'.")
-        if self.block < 1:
-            raise ValueError(f"block must be >= 1, got {self.block}.")
 
 
 class ContextKernel(eqx.Module):
@@ -198,4 +172,4 @@ class ContextKernel(eqx.Module):
         return mapped(*args)
 
 
-__all__ = ["ContextKernel", "ContextConfig", "IMPLS", "Impl"]
+__all__ = ["ContextKernel", "IMPLS", "Impl"]

@@ -11,12 +11,14 @@ so checkpoints move freely between context-parallel and other runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from eqgpt.nn.attention import Attention
-from eqgpt.parallel.context.kernel import ContextConfig, ContextKernel
+from eqgpt.parallel.context.kernel import ContextKernel
 
 
 def _is_attention(x) -> bool:
@@ -26,7 +28,7 @@ def _is_attention(x) -> bool:
 def use_context_attention(
     model: PyTree,
     mesh: Mesh,
-    config: ContextConfig | str = "ring",
+    config: Any = "ring",
     *,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -39,14 +41,17 @@ def use_context_attention(
     - `model`: a `GPT` or any pytree holding `eqgpt.nn.Attention` modules (ones
       that already have a context kernel get the new one).
     - `mesh`: the mesh whose `config.axis` splits the sequence.
-    - `config`: a `ContextConfig`, or just the implementation ("ring", "allgather", "ulysses").
+    - `config`: an `eqgpt.parallel.context.Context`, or just the implementation ("ring", "allgather", "ulysses").
     - `block_q`, `block_k`: tile sizes on each device (default `config.block`).
     - `batch_axes`: the mesh axes of the batch (`Rules.axes("batch", "activations")`);
       Ulysses makes them manual around its all-to-alls (see `ContextKernel`).
 
     **Returns:** the model; its arrays are the same objects.
     """
-    config = ContextConfig(impl=config) if isinstance(config, str) else config
+    if isinstance(config, str):
+        from eqgpt.parallel.context.part import Context  # the part installs through this module
+
+        config = Context(impl=config)
     found = []
 
     def swap(attn):

@@ -1,4 +1,4 @@
-"""Context parallelism as a `Strategy` part: `ContextPart`.
+"""Context parallelism as a `Strategy` part: `Context`.
 
 The rules split activations' sequence over `context` (`context_rules`), the
 attention modules get a `ContextKernel` (`use_context_attention`; the parameter
@@ -8,13 +8,13 @@ tree does not change) and the loss is the sequence-sharded one (`context_loss_fn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from jaxtyping import PyTree
 
 from eqgpt.nn.attention import Attention
-from eqgpt.parallel.context.kernel import ContextConfig
+from eqgpt.parallel.context.kernel import IMPLS, Impl
 from eqgpt.parallel.context.layout import check_layout
 from eqgpt.parallel.context.loss import context_loss_fn, context_rules
 from eqgpt.parallel.context.model import use_context_attention
@@ -24,38 +24,63 @@ from eqgpt.parallel.rules import Rules
 
 
 @dataclass(frozen=True)
-class ContextPart(Part):
-    """`Strategy(context=ContextConfig(...))`: the sequence split over `context`."""
+class Context(Part):
+    """The sequence split over the mesh's `context` axis: `Context("ring")`.
 
-    config: ContextConfig
+    **Fields:** `impl` ("ring", "allgather" or "ulysses"), `ordering` of the sequence
+    over the devices ("zigzag" balances causal work for ring and all-gather;
+    "contiguous"; Ulysses needs neither), `block` (tile size of the blockwise kernel
+    on each device, ring and all-gather; smaller when a device holds fewer tokens),
+    `axis` (the mesh axis the sequence is split over).
+    """
+
+    impl: Impl = "ring"
+    """Split the sequence over the mesh's 'context' axis (zigzag order) with ring, all-gather or Ulysses (all-to-all; heads divisible by context) attention."""
+    ordering: Literal["zigzag", "contiguous"] = "zigzag"
+    """Order of the sequence over the context devices (zigzag balances causal work)."""
+    block: int = 128
+    """Tile size of the blockwise kernel on each device (ring and all-gather)."""
+    axis: str = "context"
+    """The mesh axis the sequence is split over."""
 
     name = "context"
+    order = 20
     hints = {"context": "add --context ring"}
+    on_manual_path = False
+    switch = "impl"
 
-    @classmethod
-    def of(cls, strategy: Any) -> ContextPart | None:
-        return None if strategy.context is None else cls(strategy.context)
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown context attention {self.impl!r}; choose one of {IMPLS}.")
+        if self.ordering not in ("zigzag", "contiguous"):
+            raise ValueError(f"unknown context ordering {self.ordering!r}; choose 'zigzag' or 'contiguous'.")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}.")
+
+    @property
+    def sequence_axis(self) -> str:
+        return self.axis
 
     def rules(self, strategy: Any, rules: Rules) -> Rules:
         return rules if "context" in rules.axes("seq", "activations") else context_rules(rules)
 
     def prepare(self, strategy: Any, model: PyTree) -> PyTree:
-        return use_context_attention(model, strategy.mesh, self.config,
+        return use_context_attention(model, strategy.mesh, self,
                                      batch_axes=strategy.rules.axes("batch", "activations"))
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
-        check_layout(seq_len, strategy.mesh.shape["context"], self.config.ordering)
-        if self.config.impl == "ulysses":
+        check_layout(seq_len, strategy.mesh.shape["context"], self.ordering)
+        if self.impl == "ulysses":
             is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
             for attn in filter(is_attention, jax.tree.leaves(model_like, is_leaf=is_attention)):
-                kv_replication(attn.num_heads, attn.num_kv_heads, strategy.mesh.shape[self.config.axis])
+                kv_replication(attn.num_heads, attn.num_kv_heads, strategy.mesh.shape[self.axis])
 
     def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
-        return context_loss_fn(strategy.mesh, ordering=self.config.ordering, chunk_size=chunk_size, z_loss=z_loss)
+        return context_loss_fn(strategy.mesh, ordering=self.ordering, chunk_size=chunk_size, z_loss=z_loss)
 
     def describe(self, strategy: Any) -> str:
-        return f"context {self.config.impl}"
+        return f"context {self.impl}"
 
 
-__all__ = ["ContextPart"]
+__all__ = ["Context"]

@@ -48,7 +48,7 @@ calls; FSDP's reduce-scatters stay one per array. The `tensor` axis is left to t
 the rules split over `tensor` stay split inside each stage and XLA inserts the
 Megatron all-reduces.
 
-Context parallelism (`context=ContextConfig(...)`): the batch is put into the
+Context parallelism (`context=Context(...)`, the part): the batch is put into the
 layout (zigzag) once per step, before the program, and `context` joins the
 manual axes: each device holds `T/n` positions of every microbatch, and the
 model gets the global positions of its slots. The attention kernels are swapped
@@ -156,7 +156,7 @@ def check_pipeline(
     """Raise `ValueError` (before anything compiles) for sizes the pipeline cannot split.
 
     **Arguments:** the model's number of layers, the `mesh`, the `schedule`,
-    optionally the global `batch_size`, the `ContextConfig` when the sequence
+    optionally the global `batch_size`, the `Context` part when the sequence
     is split over `context` too, and the split of the layers (`"equal"`, `"auto"`
     or a count per virtual stage).
     """
@@ -170,7 +170,7 @@ def check_pipeline(
                          f"pipeline axis has {p}; build the schedule with num_stages={p}.")
     if mesh.shape.get("context", 1) > 1 and not context:
         raise ValueError("the mesh has a context axis but the pipeline has no context attention; pass "
-                         "context=ContextConfig('ring') (recipe: --context ring) or set context=1.")
+                         "context=Context('ring') (recipe: --context ring) or set context=1.")
     G = schedule.num_virtual_stages
     if not isinstance(layers_per_stage, str):
         check_layers(layers_per_stage, config_layers, G)
@@ -546,7 +546,7 @@ def pipeline_grad_fn(
     - `chunk_size`, `z_loss`: as in `eqgpt.nn.chunked_cross_entropy`.
     - `policy`: the precision `Policy`: each stage computes in its compute dtype and
       sends activations in it; gradients come back in the parameter dtype.
-    - `context`: an `eqgpt.parallel.context.ContextConfig` when the sequence is also
+    - `context`: an `eqgpt.parallel.context.Context` when the sequence is also
       split over its `axis` (required when that axis is > 1). The batch is laid out
       once per step here and the model's `Attention` kernels are swapped for
       `ContextKernel`s for the step (already installed ones are fine; the caller's

@@ -1,4 +1,4 @@
-"""The pipeline as a `Strategy` part: `PipelineConfig` and `PipelinePart`.
+"""The pipeline as a `Strategy` part: `Pipeline`.
 
 Layers are placed over `pipeline` (`PP` merged into the parameter rules), each
 step's rows are split over `data`, `fsdp` and `expert` and into microbatches, and the
@@ -8,7 +8,7 @@ the partitioner runs each layer where the pipeline placed it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jax.sharding import Mesh
@@ -17,90 +17,77 @@ from jaxtyping import PyTree
 from eqgpt.nn.protocol import num_layers
 from eqgpt.parallel.buckets import bucket_bytes_of
 from eqgpt.parallel.part import GradFn, Part
-from eqgpt.parallel.pipeline.executor import PP, ROW_AXES, bubble_report, check_pipeline, pipeline_grad_fn
+from eqgpt.parallel.pipeline.executor import (
+    PP,
+    ROW_AXES,
+    bubble_report,
+    check_pipeline,
+    pipeline_grad_fn,
+)
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules
 from eqgpt.precision import Policy
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    """A pipeline over the mesh's `pipeline` axis.
+def parse_layers(text: str) -> tuple[int, ...] | str:
+    """`--pipeline-layers` text: "equal", "auto" or counts such as "4,4,4,0"."""
+    if text in ("equal", "auto"):
+        return text
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"--pipeline-layers {text!r}: use 'equal', 'auto' or one count per virtual stage "
+                         "(pipeline size x chunks), e.g. '4,4,4,0'.") from None
 
-    **Fields:** `schedule` ("gpipe", "1f1b", "interleaved" or "zb1", the zero-bubble
-    ZB-H1, which needs `microbatches` >= the pipeline size), `microbatches`
-    per step, `virtual_stages` (chunks per device, "interleaved" only),
-    `layers_per_stage`: "equal", "auto" (balanced by measured FLOPs: the stages
-    with the embedding and the head take fewer layers) or a count per virtual
-    stage, e.g. `(4, 4, 4, 0)` (see `eqgpt.parallel.pipeline.balance`).
+
+@dataclass(frozen=True)
+class Pipeline(Part):
+    """The layers as stages over the mesh's `pipeline` axis: `Pipeline("1f1b", microbatches=8)`.
+
+    **Fields:** `schedule`, `microbatches` per step, `virtual_stages` (chunks per
+    device, "interleaved" only), `layers_per_stage` ("equal", "auto": balanced by
+    measured FLOPs, or a count per virtual stage such as `(4, 4, 4, 0)`; see
+    `eqgpt.parallel.pipeline.balance`), `bucket_mb` (the end-of-step gradient
+    all-reduces packed into fp32 buckets of at most this many MiB: `eqgpt.parallel.buckets`).
     """
 
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 2
-    layers_per_stage: tuple[int, ...] | Literal["equal", "auto"] = "equal"
+    """Run the layers as a pipeline over the mesh's 'pipeline' axis with this schedule (zb1: zero-bubble ZB-H1, needs --microbatches >= the pipeline size)."""
+    microbatches: int = field(default=4, metadata={"flag": "microbatches"})
+    """Pipeline microbatches per step."""
+    virtual_stages: int = field(default=2, metadata={"flag": "virtual_stages"})
+    """Layer chunks per pipeline device (interleaved schedule)."""
+    layers_per_stage: tuple[int, ...] | str = field(default="equal", metadata={"flag": "pipeline_layers", "cli": str})
+    """Layers per pipeline stage: 'equal', 'auto' (balanced by measured FLOPs: the embedding and head stages take fewer) or counts per virtual stage, e.g. '4,4,4,0'."""
+    bucket_mb: float | None = field(default=None, metadata={"flag": "bucket_mb"})
+    """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
+
+    name = "pipeline"
+    order = 10
+    hints = {"pipeline": "add --pipeline 1f1b"}
+    on_manual_path = False
+    runs_layers = True
+    switch = "schedule"
 
     def __post_init__(self):
         if self.microbatches < 1 or self.virtual_stages < 1:
             raise ValueError(f"microbatches and virtual_stages must be >= 1, got {self}.")
         split = self.layers_per_stage
         if isinstance(split, str) and split not in ("equal", "auto"):
-            raise ValueError(f"layers_per_stage={split!r}: use 'equal', 'auto' or a count per virtual stage.")
-        if not isinstance(split, str):
+            object.__setattr__(self, "layers_per_stage", parse_layers(split))
+        elif not isinstance(split, str):
             object.__setattr__(self, "layers_per_stage", tuple(int(n) for n in split))
-
-    @classmethod
-    def parse_layers(cls, text: str) -> tuple[int, ...] | str:
-        """`--pipeline-layers` text: "equal", "auto" or counts such as "4,4,4,0"."""
-        if text in ("equal", "auto"):
-            return text
-        try:
-            return tuple(int(n) for n in text.split(","))
-        except ValueError:
-            raise ValueError(f"--pipeline-layers {text!r}: use 'equal', 'auto' or one count per virtual stage "
-                             "(pipeline size x chunks), e.g. '4,4,4,0'.") from None
-
-
-def pipeline_schedule(mesh: Mesh, config: PipelineConfig) -> Schedule:
-    """The `Schedule` of `config` on `mesh` (a table of what each stage does at each tick)."""
-    return make_pipeline_schedule(config.schedule, mesh.shape["pipeline"], config.microbatches,
-                                  config.virtual_stages)
-
-
-def describe_stages(strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> str:
-    """One line for a run's log: the schedule's bubble and the layers of each virtual stage.
-
-    **Arguments:** a `Strategy` with a pipeline, the (abstract) model, the global batch `(rows, seq)`.
-    """
-    config = strategy.pipeline
-    fn = pipeline_grad_fn(strategy.mesh, pipeline_schedule(strategy.mesh, config), context=strategy.context,
-                          layers_per_stage=config.layers_per_stage)
-    how = config.layers_per_stage if isinstance(config.layers_per_stage, str) else "given"
-    if how == "auto":
-        how = "auto: balanced by measured FLOPs"
-    split = ",".join(map(str, fn.split(model_like, batch_shape)))
-    return f"{bubble_report(fn.schedule)}; layers per virtual stage {split} ({how})"
-
-
-@dataclass(frozen=True)
-class PipelinePart(Part):
-    """`Strategy(pipeline=PipelineConfig(...))`: layers as stages over `pipeline`."""
-
-    config: PipelineConfig
-
-    name = "pipeline"
-    hints = {"pipeline": "add --pipeline 1f1b"}
-
-    @classmethod
-    def of(cls, strategy: Any) -> PipelinePart | None:
-        return None if strategy.pipeline is None else cls(strategy.pipeline)
-
-    @property
-    def microbatches(self) -> int:
-        return self.config.microbatches
+        if self.bucket_mb is not None:
+            bucket_bytes_of(self.bucket_mb)  # > 0
 
     def axes(self, strategy: Any) -> set[str]:
         return {"pipeline", "data", "fsdp"}  # microbatch rows are split over data and fsdp
+
+    def validate(self, strategy: Any) -> None:
+        if strategy.mesh.shape.get("pipeline", 1) < 2:
+            raise ValueError(f"--pipeline {self.schedule} runs the layers over the mesh's 'pipeline' axis, and "
+                             f"--mesh {','.join(f'{a}={n}' for a, n in strategy.mesh.shape.items() if n > 1)} has none: add pipeline=N to --mesh, or drop "
+                             "--pipeline.")
 
     def param_rules(self, strategy: Any, rules: Rules) -> Rules:
         return rules.merge(PP).update(name=rules.name)
@@ -109,20 +96,50 @@ class PipelinePart(Part):
         return Rules(activations={"batch": ROW_AXES}, name="pipeline-batch")
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
-        check_pipeline(num_layers(model_like), strategy.mesh, pipeline_schedule(strategy.mesh, self.config),
-                       context=strategy.context, layers_per_stage=self.config.layers_per_stage)
+        check_pipeline(num_layers(model_like), strategy.mesh, pipeline_schedule(strategy.mesh, self),
+                       context=_sequence_part(strategy), layers_per_stage=self.layers_per_stage)
 
     def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn:
-        return pipeline_grad_fn(strategy.mesh, pipeline_schedule(strategy.mesh, self.config),
+        return pipeline_grad_fn(strategy.mesh, pipeline_schedule(strategy.mesh, self),
                                 rules=strategy.param_rules, chunk_size=chunk_size, z_loss=z_loss, policy=policy,
-                                context=strategy.context, layers_per_stage=self.config.layers_per_stage,
-                                bucket_bytes=bucket_bytes_of(strategy.bucket_mb))
+                                context=_sequence_part(strategy), layers_per_stage=self.layers_per_stage,
+                                bucket_bytes=bucket_bytes_of(self.bucket_mb))
 
     def describe(self, strategy: Any) -> str:
-        split = self.config.layers_per_stage
+        split = self.layers_per_stage
         split = "" if split == "equal" else f" layers={split if isinstance(split, str) else ','.join(map(str, split))}"
-        return f"pipeline {self.config.schedule} m={self.config.microbatches}{split}"
+        buckets = "" if self.bucket_mb is None else f" buckets {self.bucket_mb:g} MiB"
+        return f"pipeline {self.schedule} m={self.microbatches}{split}{buckets}"
 
 
-__all__ = ["PipelineConfig", "PipelinePart", "pipeline_schedule", "describe_stages"]
+def _sequence_part(strategy: Any) -> Any:
+    """The part splitting the sequence (its kernels run inside the stages), or `None`."""
+    return next((p for p in strategy.parts if p.sequence_axis is not None), None)
+
+
+def pipeline_schedule(mesh: Mesh, pipeline: Pipeline) -> Schedule:
+    """The `Schedule` of `pipeline` on `mesh` (a table of what each stage does at each tick)."""
+    return make_pipeline_schedule(pipeline.schedule, mesh.shape["pipeline"], pipeline.microbatches,
+                                  pipeline.virtual_stages)
+
+
+def describe_stages(strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> str | None:
+    """One line for a run's log: the schedule's bubble and the layers of each virtual stage
+    (`None` without a pipeline).
+
+    **Arguments:** a `Strategy`, the (abstract) model, the global batch `(rows, seq)`.
+    """
+    pipeline = strategy.part(Pipeline)
+    if pipeline is None:
+        return None
+    fn = pipeline_grad_fn(strategy.mesh, pipeline_schedule(strategy.mesh, pipeline), context=_sequence_part(strategy),
+                          layers_per_stage=pipeline.layers_per_stage)
+    how = pipeline.layers_per_stage if isinstance(pipeline.layers_per_stage, str) else "given"
+    if how == "auto":
+        how = "auto: balanced by measured FLOPs"
+    split = ",".join(map(str, fn.split(model_like, batch_shape)))
+    return f"{bubble_report(fn.schedule)}; layers per virtual stage {split} ({how})"
+
+
+__all__ = ["Pipeline", "pipeline_schedule", "describe_stages", "parse_layers"]

@@ -335,7 +335,7 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     if m < p:
         raise ValueError(
             f"zb1 needs at least as many microbatches as pipeline stages (got m={m} for p={p}); "
-            f"use --microbatches {p} or more (PipelineConfig(microbatches=...)), or the '1f1b' schedule."
+            f"use --microbatches {p} or more (Pipeline(microbatches=...)), or the '1f1b' schedule."
         )
     programs = []
     for s, f_and_b in enumerate(_one_f_one_b_programs(p, m)):
