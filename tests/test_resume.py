@@ -175,9 +175,9 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch):
         loader.local_batch = lambda step: (os.kill(os.getpid(), signal.SIGINT) if step == 6 else None, fetch(step))[1]
         return loader
 
-    monkeypatch.setattr(recipe, "make_loader", interrupting_loader)
+    monkeypatch.setattr(sys.modules[recipe.main.__module__], "make_loader", interrupting_loader)
     stopped = _recipe_run(tmp_path, "cut")
-    monkeypatch.setattr(recipe, "make_loader", make_loader)
+    monkeypatch.setattr(sys.modules[recipe.main.__module__], "make_loader", make_loader)
     assert stopped["interrupted"] and stopped["steps"] == 7
     resumed = recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "cut")]))  # flags: the run's
     assert resumed["steps"] == 12 and not resumed["interrupted"]

@@ -76,6 +76,6 @@ def test_updates_are_applied_only_by_make_train_step():
 
 
 def test_the_recipe_main_is_short():
-    tree = ast.parse((ROOT / "recipes" / "train_gpt.py").read_text())
+    tree = ast.parse((ROOT / "src" / "eqgpt" / "cli" / "train.py").read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     assert main.end_lineno - main.lineno + 1 <= 60

@@ -1,0 +1,594 @@
+"""`eqgpt-train`: train a GPT from scratch, watch it learn, sample from it.
+
+Default: the `nano` preset on the Python standard library's own sources, on CPU.
+Every option is a dataclass field below (`eqgpt.cli.flags` for --model, --data,
+--optim; `eqgpt.parallel.ParallelFlags` for the parallel ones); see `--help`.
+
+    eqgpt-train
+    eqgpt-train --steps 50 --data.corpus 'notes/**/*.md'
+    eqgpt-train --import mypkg --model.attention-kernel mine --model.block mine   # your package's kernel and block
+
+`recipes/train_gpt.py` runs the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import equinox as eqx
+import jax
+import numpy as np
+import tyro
+
+import eqgpt
+from eqgpt import distributed
+from eqgpt.cli import exit_on_user_error, imports_in
+from eqgpt.cli.checks import check_numbers, check_writable
+from eqgpt.cli.flags import DataConfig, ModelConfig, OptimConfig
+from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
+from eqgpt.data import ByteTokenizer, bytes_per_token, eval_windows, load_corpus
+from eqgpt.data.batch import Batch
+from eqgpt.data.grain_source import LoaderConfig, make_loader
+from eqgpt.launch import restart_with_malloc_tunables
+from eqgpt.nn import GPT
+from eqgpt.nn.factory import factory_path, import_modules
+from eqgpt.nn.kernels import auto_kernel_name
+from eqgpt.nn.mask import make_mask
+from eqgpt.parallel import ParallelFlags
+from eqgpt.parallel.manual import bucket_report
+from eqgpt.parallel.overlap import set_overlap_flags
+from eqgpt.parallel.pipeline.part import describe_stages
+from eqgpt.profile.flops import flops_per_token, peak_flops
+from eqgpt.sample import generate_text, on_one_device
+from eqgpt.train import (
+    Policy,
+    Strategy,
+    Trainer,
+    TrainerConfig,
+    TrainState,
+    make_eval_fn,
+    make_lr_schedule,
+    make_optimizer,
+    make_train_step,
+    plot_history,
+    save_model,
+)
+from eqgpt.train.checkpoint import Checkpointer
+from eqgpt.train.fit import check_fits, largest_batch
+from eqgpt.train.guards import Guard
+from eqgpt.train.logging import check_tensorboard
+from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
+from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir, point_latest
+
+
+@dataclass
+class TrainConfig:
+    """Train a GPT; write its config, metrics, loss plot, samples and model to --out-dir.
+
+    Common flags: --steps N, --batch-size N, --optim.lr LR, --data.corpus PATH (a directory, a glob,
+    one text file, a nanoGPT folder or a token file), --model.preset NAME, --out-dir DIR, and
+    --import MODULE for a package of yours that registers kernels, blocks and presets.
+    Parallelism (--mesh, --strategy, ...) and the rest follow.
+
+    Example: eqgpt-train --steps 200 --batch-size 16 --optim.lr 1e-3 --data.corpus input.txt --out-dir runs/mine
+    """
+
+    steps: int = 800
+    """Optimizer steps."""
+    batch_size: int | Literal["auto"] = 32
+    """Sequences per step (global); 'auto': the largest that fits the device's memory (from a few compiles)."""
+    out_dir: Path | None = None
+    """Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model, checkpoints); one that holds another run is refused without --resume. Default: a fresh runs/PRESET-YYYYmmdd-HHMMSS, which runs/latest points at once it trains; with --resume, the run runs/latest points at."""
+    imports: Annotated[tuple[str, ...], tyro.conf.arg(name="import"), tyro.conf.UseAppendAction] = ()
+    """Import this module before the flags are resolved (repeatable): a package of yours that registers attention kernels (eqgpt.nn.kernels.register_kernel), blocks (eqgpt.nn.register_block) or presets (eqgpt.PRESETS)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: Annotated[ParallelFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=ParallelFlags)
+    """How the run is distributed: --mesh, --strategy and each parallelism's flags (eqgpt.parallel.ParallelFlags)."""
+    report: bool = False
+    """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
+    estimate: bool = False
+    """Print the predicted per-device memory (eqgpt.profile.estimate, before compiling), then next to the compiled step's."""
+    cpu_devices: int | None = None
+    """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
+    compile_cache: bool = True
+    """Keep every compiled program in JAX's persistent compilation cache: a second start with the same model, mesh and flags reads them instead of compiling (docs/profiling.md). Off: --no-compile-cache, or EQGPT_NO_COMPILE_CACHE=1 (the test suite); a JAX_COMPILATION_CACHE_DIR already set wins."""
+    compile_cache_dir: Path | None = None
+    """Directory of the compilation cache (default: $EQGPT_CACHE/xla, else ~/.cache/eqgpt/xla); at most 4 GiB, least recently used entries evicted."""
+    # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: none between). Every run also saves one at the end and on SIGTERM/SIGINT, for --resume. A stopped run exits with status 75 (SIGTERM: at once; Ctrl-C: after its samples and plots)."""
+    checkpoint_dir: Path | None = None
+    """Checkpoint directory (default: out_dir/checkpoints)."""
+    checkpoint_keep: int = 3
+    """Newest checkpoints to keep."""
+    resume: bool = False
+    """Continue the run in --out-dir (default: the one runs/latest points at) from its latest good checkpoint, on any --mesh and strategy; flags left out take that run's values. A finished run is left unchanged unless --steps asks for more. Starts at step 0 if the directory holds no checkpoint (see --allow-fresh). A damaged newest checkpoint is named in a warning and the next older one is used."""
+    # --- faults (docs/checkpointing.md#faults): exit 76 (non-finite) / 77 (diverged) after saving the last good state
+    strict: bool = False
+    """With --resume: refuse (exit 1) when the newest checkpoint is damaged, instead of falling back to an older one."""
+    allow_fresh: bool = False
+    """With --resume: start at step 0 even when the checkpoint directory holds traces of earlier checkpoints (interrupted writes, damaged steps) but none complete; without it the run refuses."""
+    max_skipped: int = 0
+    """Stop (exit 76) after this many skipped updates in a row (non-finite loss or gradients); 0: never."""
+    divergence_factor: float = 0.0
+    """Stop (exit 77) when --divergence-window losses in a row exceed this factor times the running mean of the loss; 0: never."""
+    divergence_window: int = 3
+    """Divergent losses in a row that stop the run (K)."""
+    # --- the run
+    accum_steps: int = 1
+    """Microbatches per step (gradient accumulation); must divide batch_size."""
+    seed: int = 0
+    """Seed of the initialisation and of every batch (a batch is a function of seed and step)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute dtype: auto = fp32 on CPU, bf16 on GPU/TPU; fp16 adds dynamic loss scaling (docs/numerics.md)."""
+    master_weights: bool = False
+    """Store the parameters in the compute dtype (bf16/fp16) with fp32 master weights in the optimizer state."""
+    z_loss: float = 0.0
+    """Weight of the z-loss (mean squared log-partition), 0 to disable."""
+    log_every: int = 10
+    """Steps between loss read-backs and metric lines."""
+    eval_every: int = 100
+    """Steps between validation losses."""
+    eval_windows: int = 64
+    """Validation windows (fixed, spread over the held-out files); any number works on any mesh; 0: no validation."""
+    peak_flops: float | None = None
+    """Peak FLOP/s for the MFU estimate (default: GPU table, or a measured matmul on CPU)."""
+    sample_prompts: tuple[str, ...] = ("def ", "class ", "import ")
+    """Prompts of the samples generated at the end."""
+    sample_tokens: int = 100
+    """New tokens per sample (0: no samples)."""
+    progress: bool = True
+    """Show a progress bar."""
+    profile_steps: tuple[int, int] | None = None
+    """Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace (Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md."""
+    log: Literal["jsonl", "tensorboard"] = "jsonl"
+    """'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is always written."""
+
+
+def policy_of(cfg: TrainConfig) -> Policy:
+    """The mixed-precision policy of --precision and --master-weights."""
+    if cfg.precision == "auto" and not cfg.master_weights:
+        return Policy.default()
+    name = cfg.precision if cfg.precision != "auto" else ("fp32" if jax.default_backend() == "cpu" else "bf16")
+    return Policy.named(name, master_weights=cfg.master_weights)
+
+
+def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):
+    """AdamW with warmup and cosine decay, as the --optim flags say (with the policy's master
+    weights, if any); **returns** (optimizer, schedule)."""
+    o, policy = cfg.optim, policy or Policy()
+    schedule = make_lr_schedule(o.lr, total_steps=cfg.steps, warmup_steps=min(o.warmup_steps, cfg.steps - 1),
+                                min_lr_ratio=o.min_lr_ratio)
+    return policy.optimizer(make_optimizer(
+        schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
+        decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases,
+        mu_dtype=o.mu_dtype)), schedule
+
+
+def vocab_size_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus) -> int:
+    """The model's vocabulary: a token file's or folder's (flag, sidecar, meta.pkl or inferred); for text,
+    --model.vocab-size, else the preset's with bytes, else the tokenizer's. Never below the tokenizer's."""
+    if not corpus.pretokenized:  # text, tokenized here
+        vocab = cfg.model.vocab_size or (model_cfg.vocab_size if cfg.data.tokenizer == "bytes" else corpus.vocab_size)
+        if vocab < corpus.vocab_size:
+            raise ValueError(f"--model.vocab-size {vocab} is below the tokenizer's {corpus.vocab_size} "
+                             f"({corpus.tokenizer.name}); raise it or leave it out.")
+        return vocab
+    return corpus.vocab_size  # a token file: load_corpus checked every id against it
+
+
+def tokenizer_decodes(corpus, model_cfg: eqgpt.GPTConfig) -> bool:
+    """Whether the run's tokenizer decodes the model's ids: not for token ids above 255 whose tokenizer
+    neither --data.tokenizer nor a meta.pkl names (then no samples and no bits per byte)."""
+    return not (corpus.pretokenized and isinstance(corpus.tokenizer, ByteTokenizer) and model_cfg.vocab_size > 256)
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "model.eqx", "summary.json", "checkpoints")
+
+
+def run_to_continue(cfg: TrainConfig) -> Path | None:
+    """With --resume, the run directory to continue (--out-dir, else the one runs/latest points at);
+    else `None`, after refusing an --out-dir or --checkpoint-dir that holds another run's files."""
+    if cfg.resume:
+        try:
+            out = Path(cfg.out_dir) if cfg.out_dir is not None else latest_run_dir("runs")
+        except FileNotFoundError as e:
+            raise ValueError(f"--resume: {e} Pass --out-dir to name the run to continue.") from None
+        ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
+        if (out / "model.eqx").is_file() and not (ckpt.is_dir() and any(ckpt.iterdir())):
+            raise ValueError(f"--resume: {out} holds a finished run without checkpoints; it cannot be continued, "
+                             "and starting it again would overwrite it: choose a new --out-dir.")
+        return out
+    if cfg.out_dir is not None and any((Path(cfg.out_dir) / f).exists() for f in RUN_FILES):
+        raise ValueError(f"--out-dir {cfg.out_dir} holds another run; add --resume to continue it, or choose "
+                         "a new directory (a run never overwrites another's outputs).")
+    if cfg.checkpoint_dir is not None and Path(cfg.checkpoint_dir).is_dir() and any(Path(cfg.checkpoint_dir).iterdir()):
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds another run's checkpoints; add --resume to "
+                         "continue from them, or choose an empty directory.")
+    return None
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """--out-dir (created); else a fresh runs/PRESET-<time>, which runs/latest points at once it trains."""
+    if cfg.out_dir is not None:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        return Path(cfg.out_dir)
+    return fresh_run_dir("runs", cfg.model.preset, latest=False)
+
+
+def finished(cfg: TrainConfig, out: Path) -> dict | None:
+    """With --resume: the summary of a run that has finished --steps (its newest checkpoint at or
+    past them, its outputs written); `None` when there is training left to do."""
+    ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
+    summary = out / "summary.json"
+    if not (ckpt.is_dir() and summary.is_file()):
+        return None
+    done = json.loads(summary.read_text())
+    step = Checkpointer(ckpt).latest_step()
+    if step is None or step < cfg.steps or done.get("interrupted") or "stopped" in done:
+        return None
+    return {**done, "finished": True, "interrupted": False}
+
+
+def earlier_rows(out: Path, step: int) -> list[dict]:
+    """The metrics.jsonl rows before a resume at `step` (its validation at `step` is measured again);
+    the file is cut to them, so that each step is logged once across resumes."""
+    path = out / "metrics.jsonl"
+    if not distributed.is_main_process() or not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["step"] < step or (r["step"] == step and "val_loss" not in r)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def model_record(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig) -> dict:
+    """The model as `model_config.json` records it: the `GPTConfig` and the block factory's `module:name`."""
+    return {**dataclasses.asdict(model_cfg), "block_factory": factory_path(cfg.model.block_factory())}
+
+
+def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> None:
+    """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees."""
+    if jax.process_count() > 1:  # every process must run what process 0 runs, or stop now
+        distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg})
+    if distributed.is_main_process():
+        out.mkdir(parents=True, exist_ok=True)
+        if not cfg.resume:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(
+            {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg)}, indent=2, default=str))
+
+
+def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> Checkpointer:
+    """Checkpoints every --checkpoint-every steps, and always at the end and on SIGTERM/SIGINT."""
+    return Checkpointer(cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
+                        keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
+                        config={"model": model_cfg.architecture(), "data_order": {"seed": cfg.seed},
+                                "recipe": dataclasses.asdict(cfg)})
+
+
+def starting_state(cfg: TrainConfig, checkpointer: Checkpointer, state: TrainState, log,
+                   loader=None) -> tuple[TrainState, float]:
+    """With --resume, the latest good checkpoint restored into this run's layout (any mesh, any
+    strategy), and the loader's iterator state with it; else `state`, checked to be the same on
+    every process. **Returns** it and the seconds trained before."""
+    if jax.process_count() > 1:
+        distributed.check_replicas_agree(state.model)
+    restored = checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh) if cfg.resume else None
+    if restored is not None:
+        log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
+        if loader is not None and "data" in restored.extras:
+            loader.restore(restored.extras["data"])
+        return restored.state, float(restored.extras.get("seconds", 0.0))
+    if cfg.resume:  # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
+        traces = checkpointer.traces()
+        log(f"--resume: no complete checkpoint in {checkpointer.directory}"
+            + (f" (traces: {', '.join(traces)})" if traces else "") + "; starting at step 0")
+    return state, 0.0
+
+
+def check_fault_flags(cfg: TrainConfig) -> None:
+    """Refuse fault flags that cannot apply (before anything is written or compiled)."""
+    Guard(cfg.max_skipped, cfg.divergence_factor, cfg.divergence_window)  # names the bad flag
+    for flag in ("strict", "allow_fresh"):
+        if getattr(cfg, flag) and not cfg.resume:
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --resume only; add --resume or drop it.")
+
+
+def check_run_flags(cfg: TrainConfig) -> None:
+    """Refuse counts, directories and optional packages the run cannot use, naming the flag, before
+    anything is written or compiled."""
+    at_least = {"steps": 1, "accum_steps": 1, "log_every": 1, "checkpoint_keep": 1, "checkpoint_every": 0,
+                "eval_every": 0, "eval_windows": 0, "sample_tokens": 0}
+    if cfg.batch_size != "auto":
+        at_least["batch_size"] = 1
+    for name, low in at_least.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}.")
+    check_numbers(cfg)
+    for name in ("out_dir", "checkpoint_dir"):
+        path = getattr(cfg, name)
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
+    check_writable(cfg.out_dir or "runs", "--out-dir")
+    if cfg.checkpoint_dir is not None:
+        check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
+    if cfg.batch_size != "auto" and cfg.batch_size % jax.process_count():
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split over {jax.process_count()} processes (each "
+                         f"loads its share of the rows): use a multiple of {jax.process_count()}.")
+    if cfg.log == "tensorboard":
+        check_tensorboard()
+    check_fault_flags(cfg)
+
+
+def check_prompts(cfg: TrainConfig, tok) -> None:
+    """Refuse --sample-prompts the corpus's tokenizer cannot encode (before training, not after)."""
+    for prompt in cfg.sample_prompts if cfg.sample_tokens else ():
+        try:
+            tok.encode(prompt)
+        except ValueError as e:
+            raise ValueError(f"--sample-prompts {prompt!r}: {e}") from None
+
+
+def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> list[str]:
+    """Generate from --sample-prompts with the trained model (KV cache, one device's view)."""
+    n_new = min(cfg.sample_tokens, model_cfg.seq_len - max((len(tok.encode(p)) for p in cfg.sample_prompts), default=0))
+    if n_new < 1:
+        return []
+    model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
+    rng = jax.device_put(state.rng.addressable_data(0), jax.local_devices()[0])  # replicated: this process's copy
+    return [generate_text(model, tok, p, n_new, key=jax.random.fold_in(rng, i))[0]
+            for i, p in enumerate(cfg.sample_prompts)]
+
+
+def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float) -> dict:
+    """Save the model, plot, sample and summarise; **returns** the summary."""
+    is_main = distributed.is_main_process()
+    summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
+    if trainer.fault is not None:  # non-finite or diverged: the last good state is saved; nothing to export
+        summary.update(stopped=trainer.fault.reason, exit_code=trainer.fault.code, seconds=trainer.seconds_before + time.perf_counter() - t0)
+        if is_main:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
+        summary["seconds"] = trainer.seconds_before + time.perf_counter() - t0
+        if is_main:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            print(f"stopped at step {summary['steps']} by SIGTERM; rerun with --resume to continue "
+                  f"(exit status {PREEMPTED_EXIT_CODE})", flush=True)
+        return summary
+    state = eqx.tree_at(lambda s: s.model, state, trainer.placement.on_device(state.model))  # from host memory if offloaded
+    save_model(out, state.model)
+    if is_main:
+        corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
+    samples = sample(cfg, state, model_cfg, corpus.tokenizer) if tokenizer_decodes(corpus, model_cfg) else []
+    trainer.log_samples(summary["steps"], samples)
+    _, vals = trainer.history.series("val_loss")
+    summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
+                   seconds=trainer.seconds_before + time.perf_counter() - t0, samples=samples)
+    if is_main:
+        plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
+        (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
+        print("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)), end="")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        _, bpb = trainer.history.series("val_bpb")
+        val = f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} nats/token " if vals else ""
+        val += f"({bpb[0]:.3f} -> {bpb[-1]:.3f} bits/byte) " if bpb else ""
+        print(f"done: {val}in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
+    return summary
+
+
+def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strategy, first_batch, model_cfg,
+                   policy: Policy, log) -> None:
+    """--report: the compiled step's collectives and memory per device; --estimate: the predicted
+    bytes per device (before compiling), then beside the compiled step's memory analysis."""
+    if not (cfg.report or cfg.estimate):
+        return
+    from eqgpt.profile import estimate, report, schedule_table
+
+    predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy) if cfg.estimate else None
+    if predicted is not None:
+        log(predicted.table(title=f"{strategy.describe()}: estimated memory per device (nothing compiled yet)"))
+    compiled = step_fn.lower(state, first_batch()).compile()
+    if cfg.report:
+        log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+        log(schedule_table(compiled, mesh=strategy.mesh, title=f"{strategy.describe()}: exposed vs overlappable"))
+    if predicted is not None:
+        log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
+
+
+def use_compile_cache(cfg: TrainConfig) -> Path | None:
+    """--compile-cache, --compile-cache-dir: `eqgpt.compile_cache.enable_compile_cache`; before the first
+    compile. **Returns** its directory, or `None` when off (or set by the user already)."""
+    return enable_compile_cache(cfg.compile_cache_dir) if cfg.compile_cache else None
+
+
+def start_jax(cfg: TrainConfig) -> Path | None:
+    """What must precede the first use of a JAX backend (XLA's flags, the CPU device count, the
+    compilation cache), then the multi-process start-up; **returns** the cache directory or `None`."""
+    if cfg.parallel.overlap is not None:  # XLA reads its flags when the backend starts
+        set_overlap_flags()
+    if cfg.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+    compile_cache = use_compile_cache(cfg)
+    distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
+    return compile_cache
+
+
+def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_model):
+    """The freshly initialised `TrainState` in the strategy's layout; **returns** it, the optimizer, the schedule."""
+    optimizer, schedule = optimizer_of(cfg, policy)
+    key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
+    model = strategy.init_model(make_model, key_model)
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
+                       loss_scale=policy.loss_scale_state())
+    return state, optimizer, schedule
+
+
+def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, model_like, state, optimizer,
+              log):
+    """--batch-size checked against the device's memory by compiling the step (`eqgpt.train.fit`), 'auto'
+    resolved to the largest batch that fits; **returns** `cfg` with that batch and the compiled step (`None`
+    where the device's memory is unknown, as on a CPU). Raises `DoesNotFit` (a `ValueError` naming the GiB
+    and the flags to change) before anything is written."""
+    def compile_at(rows: int):
+        step = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
+                               z_loss=cfg.z_loss, model_like=model_like)
+        windows = np.zeros((rows // jax.process_count(), model_cfg.seq_len + 1), np.int32)
+        return step.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+
+    batch = cfg.batch_size
+    if batch == "auto":
+        multiple = strategy.rows_divisor * cfg.accum_steps
+        batch = largest_batch(compile_at, multiple=multiple, start=max(multiple, 8 // multiple * multiple), log=log)
+        strategy.check(model_like, batch_size=batch, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+        log(f"--batch-size auto: {batch} sequences per step")
+    compiled = check_fits(lambda: compile_at(batch), what=f"the training step at --batch-size {batch}")
+    return dataclasses.replace(cfg, batch_size=batch), compiled
+
+
+def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
+    """Which attention kernel the model runs, e.g. 'attention auto -> splash'."""
+    name = model_cfg.attention_kernel
+    if name != "auto":
+        return f"attention {name}"
+    mask = make_mask(model_cfg.mask, model_cfg.window)
+    chosen = auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
+    return f"attention auto -> {chosen} ({jax.default_backend()})"
+
+
+def main(cfg: TrainConfig) -> dict:
+    """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
+    t0 = time.perf_counter()
+    compile_cache = start_jax(cfg)
+    log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
+    check_run_flags(cfg)
+    resumed = run_to_continue(cfg)
+    if resumed is not None and (done := finished(cfg, resumed)) is not None:
+        log(f"run {resumed} has finished its {done['steps']} steps; nothing to do, nothing changed "
+            f"(--steps N above {done['steps']} trains on)")
+        return done
+    model_cfg, block_factory = cfg.model.build(), cfg.model.block_factory()
+    cfg.model.check_kernel(model_cfg)
+    strategy, policy = cfg.parallel.strategy(), policy_of(cfg)  # every flag error is raised here or in `check`
+    corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
+                         min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
+                         tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
+    model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
+    check_prompts(cfg, corpus.tokenizer)
+    make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k, block_factory=block_factory))  # noqa: E731
+    model_like = jax.eval_shape(make_model, jax.random.key(0))
+    if cfg.batch_size != "auto":
+        strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+    state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
+    cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # before any file
+    out = resumed or run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
+    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
+    write_run_config(cfg, model_cfg, out)
+    checkpointer = make_checkpointer(cfg, model_cfg, out)
+    loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
+                         config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch), docs=corpus.train_docs)
+    state, seconds = starting_state(cfg, checkpointer, state, log, loader)
+    step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
+                              z_loss=cfg.z_loss, model_like=model_like)
+    if cfg.data.mode == "windows" and not (cfg.report or cfg.estimate):  # one compile: under jit the step would
+        # compile again at step 2, as the state it returns spells its shardings differently from the placed one
+        windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
+        step_fn = compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+    eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
+    print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
+    peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
+    n_params = sum(x.size for x in jax.tree.leaves(model_like))
+    log(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
+        f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len}, {kernel_choice(model_cfg, policy)} | corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
+        f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
+    val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows) if cfg.eval_windows else None
+    trainer = Trainer(
+        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer, val_windows=val,
+        config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
+                             progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
+                             max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
+                             divergence_window=cfg.divergence_window,
+                             bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg) else bytes_per_token(corpus.tokenizer, val[:, 1:])),
+        flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
+    )
+    trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
+    if resumed is None and cfg.out_dir is None:
+        point_latest(out)  # runs/latest: only a run that trains
+    return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
+
+
+def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy, model_like, model_cfg, corpus, log):
+    """What the run is about to do: its directory, cache, buckets, pipeline stages, corpus notes."""
+    log(f"run directory: {out}")
+    if compile_cache is not None:
+        log(f"compilation cache: {compile_cache} (a second start reads its programs; --no-compile-cache: off)")
+    if (buckets := bucket_report(strategy, model_like)) is not None:
+        log(buckets)
+    if (stages := describe_stages(strategy, model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len))):
+        log(stages)
+    for note in corpus.notes:
+        log(note)
+    if not tokenizer_decodes(corpus, model_cfg):
+        log(f"{cfg.data.corpus} holds ids up to vocab {model_cfg.vocab_size} and --data.tokenizer names no tokenizer "
+            "for them: no samples or bits per byte (pass the tokenizer.json or GPT-2 vocab.json that made the file)")
+
+
+def config_from_json(cls, data: dict):
+    """A (nested) config dataclass from its `dataclasses.asdict` JSON (unknown keys dropped)."""
+    hints, kwargs = typing.get_type_hints(cls), {}
+    if cls is TrainConfig and "parallel" not in data:  # a run from before ParallelFlags: its flags at the top
+        flat = {k: v for k, v in data.items() if k in ParallelFlags.flag_names()}
+        data = {**data, "parallel": dataclasses.asdict(ParallelFlags.from_flags(flat))}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        nested = [t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)]
+        if nested and isinstance(value, dict):
+            value = config_from_json(nested[0], value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        elif isinstance(value, str) and Path in (hint, *typing.get_args(hint)):
+            value = Path(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def parse_flags(args: list[str] | None = None) -> TrainConfig:
+    """The command line; with --resume, flags left out default to the continued run's (its config.json).
+    Every --import is imported first, so that its kernels, blocks and presets are names the flags accept."""
+    import_modules(imports_in(sys.argv[1:] if args is None else args))
+    cfg = tyro.cli(TrainConfig, args=args)
+    if not cfg.resume:
+        return cfg
+    try:
+        saved = run_to_continue(cfg) / "config.json"
+    except ValueError:
+        return cfg  # main says why
+    if not saved.is_file():
+        return cfg
+    cfg = tyro.cli(TrainConfig, args=args, default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
+    import_modules(cfg.imports)  # the continued run's own
+    return cfg
+
+
+def run(args: list[str] | None = None) -> None:
+    """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status 1."""
+    restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
+    summary = exit_on_user_error(lambda: main(parse_flags(args)))
+    sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
+
+
+if __name__ == "__main__":
+    run()
