@@ -53,6 +53,10 @@ def test_help_documents_options():
     for flag in ("--steps", "--batch-size", "--data.corpus", "--optim.lr", "--model.preset", "--out-dir"):
         assert flag in out.stdout
     assert "Peak learning rate" in out.stdout
+    head = "\n".join(out.stdout.splitlines()[:12])  # the common flags and an example come first
+    for flag in ("--steps", "--batch-size", "--optim.lr", "--data.corpus", "--model.preset", "--out-dir", "Example: eqgpt-train"):
+        assert flag in head, flag
+    assert out.stdout.index("╭─ parallel options") > out.stdout.index("╭─ optim options")
 
 
 def test_token_files_set_the_vocab_and_each_default_run_gets_its_own_directory(tmp_path, monkeypatch, capsys):

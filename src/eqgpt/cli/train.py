@@ -73,10 +73,9 @@ from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir, point_latest
 class TrainConfig:
     """Train a GPT; write its config, metrics, loss plot, samples and model to --out-dir.
 
-    Common flags: --steps N, --batch-size N, --optim.lr LR, --data.corpus PATH (a directory, a glob,
-    one text file, a nanoGPT folder or a token file), --model.preset NAME, --out-dir DIR, and
-    --import MODULE for a package of yours that registers kernels, blocks and presets.
-    Parallelism (--mesh, --strategy, ...) and the rest follow.
+    Common flags: --steps N, --batch-size N, --optim.lr LR, --data.corpus PATH, --model.preset NAME, --out-dir DIR.
+
+    A package of yours (kernels, blocks, presets): --import MODULE. Parallel flags come last.
 
     Example: eqgpt-train --steps 200 --batch-size 16 --optim.lr 1e-3 --data.corpus input.txt --out-dir runs/mine
     """
