@@ -154,6 +154,18 @@ class TrainConfig:
     """'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is always written."""
 
 
+def strategy_of(cfg: TrainConfig) -> Strategy:
+    """The run's `Strategy` (`cfg.parallel`); a mesh larger than a CPU's devices names --cpu-devices."""
+    try:
+        return cfg.parallel.strategy()
+    except ValueError as e:
+        more = cfg.parallel.mesh and jax.default_backend() == "cpu" and len(jax.devices()) == 1
+        if not more:
+            raise
+        raise ValueError(f"--mesh {cfg.parallel.mesh}: {e} On a CPU, --cpu-devices N simulates N devices "
+                         f"(e.g. --cpu-devices 8 --mesh {cfg.parallel.mesh}).") from None
+
+
 def policy_of(cfg: TrainConfig) -> Policy:
     """The mixed-precision policy of --precision and --master-weights."""
     if cfg.precision == "auto" and not cfg.master_weights:
@@ -479,7 +491,7 @@ def main(cfg: TrainConfig) -> dict:
         return done
     model_cfg, block_factory = cfg.model.build(), cfg.model.block_factory()
     cfg.model.check_kernel(model_cfg)
-    strategy, policy = cfg.parallel.strategy(), policy_of(cfg)  # every flag error is raised here or in `check`
+    strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
     corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
                          min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
                          tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())

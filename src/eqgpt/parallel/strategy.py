@@ -91,8 +91,9 @@ class Strategy:
         object.__setattr__(self, "parts", parts)
         needy = [p.name for p in parts if p.needs_mesh]
         if self.mesh is None and needy:
-            raise ValueError(f"{', '.join(needy)} needs a mesh, e.g. --mesh pipeline=2,data=2; "
-                             "one device runs none of them.")
+            example = {"pipeline": "pipeline=2,data=2", "context": "context=2,data=2", "expert": "expert=2,data=2",
+                       "manual": "data=2,tensor=2"}.get(needy[0], "data=2")
+            raise ValueError(f"{', '.join(needy)} needs a mesh, e.g. --mesh {example}; one device runs none of them.")
         for part in parts:
             part.validate(self)
         rules = self.rules

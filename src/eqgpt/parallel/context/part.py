@@ -69,6 +69,11 @@ class Context(Part):
                                      batch_axes=strategy.rules.axes("batch", "activations"))
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+        if strategy.mesh.shape.get(self.axis, 1) < 2:
+            mesh = ",".join(f"{a}={n}" for a, n in strategy.mesh.shape.items() if n > 1)
+            raise ValueError(f"--context {self.impl} splits the sequence over the mesh's '{self.axis}' axis, and "
+                             f"--mesh {mesh} has none: add {self.axis}=N to --mesh (e.g. {self.axis}=2,data=4), "
+                             "or drop --context.")
         check_layout(seq_len, strategy.mesh.shape["context"], self.ordering)
         if self.impl == "ulysses":
             is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
