@@ -26,7 +26,12 @@ from jaxtyping import Array, Float, Int
 from eqgpt.nn.kernels.typed import can_call_pallas, in_manual_region, typed_call
 
 GROUPED_KERNELS = ("auto", "ragged_dot", "megablox")
-TILE = (128, 128, 128)  # megablox's (rows, contraction, columns) tile; its default
+
+
+def default_tile(k: int, n: int) -> tuple[int, int, int]:
+    """megablox's `(rows, contraction, columns)` tile: 512 rows and up to 768 of each width, the
+    fastest of `benchmarks/grouped_matmul_speed.py --tiles` on a v5e (its own 128^3 was 10x slower)."""
+    return 512, min(768, -(-k // 128) * 128), min(768, -(-n // 128) * 128)
 
 
 def auto_grouped_kernel(platform: str | None = None) -> str:
@@ -48,7 +53,7 @@ def _megablox(x, w, sizes, tile):
 
 def grouped_matmul(
     x: Float[Array, "rows k"], w: Float[Array, "groups k n"], sizes: Int[Array, " groups"], *, kernel: str = "auto",
-    tile: tuple[int, int, int] = TILE,
+    tile: tuple[int, int, int] | None = None,
 ) -> Float[Array, "rows n"]:
     """`x`'s rows, sorted by group with `sizes[e]` in group `e`, each times `w[e]` (`tile`: megablox's
     `(rows, contraction, columns)` tile)."""
@@ -59,6 +64,7 @@ def grouped_matmul(
     if kernel == "ragged_dot":
         return jax.lax.ragged_dot(x, w, sizes)
     sizes = sizes.astype(jnp.int32)
+    tile = default_tile(*w.shape[1:]) if tile is None else tile
     if in_manual_region():
         return typed_call(lambda x, w, sizes: _megablox(x, w, sizes, tile), (x, w), (sizes,))
     return _megablox(x, w, sizes, tile)
