@@ -23,6 +23,8 @@ BAD_TRAIN_FLAGS = [
     (["--z-loss", "-1"], "--z-loss"),
     (["--batch-size", "6", "--accum-steps", "4"], "--accum-steps"),
     (["--steps", "0"], "--steps"),
+    (["--cpu-devices", "0"], "--cpu-devices"),
+    (["--profile-steps", "5", "2"], "--profile-steps"),
 ]
 
 
@@ -75,3 +77,12 @@ def test_parallel_errors_suggest_a_mesh_that_fits_the_flag(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: jax.local_devices()[:1])  # a CPU without --cpu-devices
     with pytest.raises(ValueError, match=r"^--mesh data=8: .* --cpu-devices 8 --mesh data=8"):
         recipe.strategy_of(tyro.cli(recipe.TrainConfig, args=["--mesh", "data=8"]))
+
+
+def test_library_messages_get_the_flags_they_are_about():
+    from eqgpt.cli import one_line
+
+    args = ["--steps", "3", "--model.remat", "bogus", "--microbatches=0", "--no-progress"]
+    assert one_line(ValueError("Unknown remat 'bogus'."), args) == "error: --model.remat bogus: Unknown remat 'bogus'."
+    assert one_line(ValueError("microbatches must be\n >= 1"), args) == "error: --microbatches 0: microbatches must be >= 1"
+    assert one_line(ValueError("--steps 3 is too few"), args) == "error: --steps 3 is too few"  # names its flag already

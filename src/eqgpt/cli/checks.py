@@ -20,7 +20,7 @@ NUMERIC_FLAGS = {
     "model.num_kv_heads": _AT_LEAST_1, "model.embed_dim": _AT_LEAST_1, "model.mlp_dim": _AT_LEAST_1,
     "model.window": _AT_LEAST_1, "model.vocab_size": _AT_LEAST_1, "model.num_experts": _AT_LEAST_1,
     "model.top_k": _AT_LEAST_1, "model.capacity_factor": _POSITIVE,
-    "z_loss": _AT_LEAST_0, "peak_flops": _POSITIVE, "seed": _AT_LEAST_0,
+    "z_loss": _AT_LEAST_0, "peak_flops": _POSITIVE, "seed": _AT_LEAST_0, "cpu_devices": _AT_LEAST_1,
 }
 
 
@@ -43,6 +43,10 @@ def check_numbers(cfg, flags: dict = NUMERIC_FLAGS) -> None:
             continue
         if isinstance(value, float) and not math.isfinite(value) or not ok(value):
             raise ValueError(f"{flag_name(path)} must be {want}, got {value}.")
+    profile = getattr(cfg, "profile_steps", None)
+    if profile is not None and not 0 <= profile[0] < profile[1]:
+        raise ValueError(f"--profile-steps {profile[0]} {profile[1]}: give START STOP with 0 <= START < STOP "
+                         "(e.g. 10 15 traces steps 10 to 14).")
     batch, accum = getattr(cfg, "batch_size", None), getattr(cfg, "accum_steps", 1)
     if isinstance(batch, int) and accum >= 1 and batch % accum:
         raise ValueError(f"--batch-size {batch} must be divisible by --accum-steps {accum} (microbatches per step).")

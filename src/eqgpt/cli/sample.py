@@ -124,7 +124,7 @@ def main(cfg: SampleConfig) -> list[str]:
 
 def run(args: list[str] | None = None) -> list[str]:
     """The console script: flags -> `main`; a user error is one line and exit status 1."""
-    return exit_on_user_error(lambda: main(tyro.cli(SampleConfig, args=args)))
+    return exit_on_user_error(lambda: main(tyro.cli(SampleConfig, args=args)), args=args)
 
 
 if __name__ == "__main__":
