@@ -59,6 +59,15 @@ def test_sample_errors_are_one_line_with_exit_1(tmp_path):
     assert "--hf" in one_line_error([sample, "--hf", "nowhere"], tmp_path)
     (tmp_path / "run").mkdir()
     assert "model_config.json not found" in one_line_error([sample, "--run-dir", "run"], tmp_path)
+    import jax
+
+    from eqgpt.nn import GPT
+    from eqgpt.train import save_model
+    from helpers import TINY
+
+    save_model(tmp_path / "saved", GPT(TINY, key=jax.random.key(0)))
+    err = one_line_error([sample, "--run-dir", "saved", "--block", "nope:thing"], tmp_path)
+    assert "--block nope:thing: cannot import 'nope'" in err
 
 
 def test_parallel_errors_suggest_a_mesh_that_fits_the_flag(monkeypatch):

@@ -86,20 +86,30 @@ def main(cfg: SampleConfig) -> list[str]:
     from eqgpt.sample import generate_text
     from eqgpt.train import load_model
 
-    strategy = Strategy.parse(cfg.mesh, cfg.strategy) if cfg.mesh else None
+    try:
+        strategy = Strategy.parse(cfg.mesh, cfg.strategy) if cfg.mesh else None
+    except ValueError as e:
+        hint = " On a CPU, --cpu-devices N simulates N devices." if "devices" in str(e) and not cfg.cpu_devices else ""
+        raise ValueError(f"--mesh {cfg.mesh}: {e}{hint}") from None
     if cfg.hf is not None:
         from eqgpt.interop import load_hf
 
         if not Path(cfg.hf).exists():
             raise ValueError(f"--hf {cfg.hf} does not exist; pass a directory with config.json and model.safetensors.")
-        model = load_hf(cfg.hf, strategy=strategy)[1]
+        try:
+            model = load_hf(cfg.hf, strategy=strategy)[1]
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--hf {cfg.hf}: {e}") from None
     else:
         run_dir = Path(cfg.run_dir).resolve()  # runs/latest: say which run it is
         if not run_dir.is_dir():
             raise ValueError(f"--run-dir {cfg.run_dir} is not a run directory; train one with eqgpt-train "
                              "(recipes/train_gpt.py) or pass --run-dir.")
         print(f"loading run {run_dir}", flush=True)
-        model = load_model(run_dir, block_factory=cfg.block)
+        try:
+            model = load_model(run_dir, block_factory=cfg.block)
+        except ValueError as e:
+            raise ValueError(f"--block {cfg.block}: {e}" if cfg.block else str(e)) from None
     try:
         tok = load_tokenizer(cfg.tokenizer or (cfg.hf or cfg.run_dir))
     except (ValueError, OSError) as e:
@@ -122,9 +132,9 @@ def main(cfg: SampleConfig) -> list[str]:
     return texts
 
 
-def run(args: list[str] | None = None) -> list[str]:
-    """The console script: flags -> `main`; a user error is one line and exit status 1."""
-    return exit_on_user_error(lambda: main(tyro.cli(SampleConfig, args=args)), args=args)
+def run(args: list[str] | None = None) -> None:
+    """The console script `eqgpt-sample`: flags -> `main`; a user error is one line and exit status 1."""
+    exit_on_user_error(lambda: main(tyro.cli(SampleConfig, args=args)), args=args)
 
 
 if __name__ == "__main__":
