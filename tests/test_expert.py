@@ -154,3 +154,21 @@ def test_manual_tensor_parallelism_needs_the_expert_width_to_split():
     check_tensor_parallel(experts, 2)
     with pytest.raises(ValueError, match="expert width 6 does not split over 4 tensor-parallel devices"):
         check_tensor_parallel(experts, 4)
+
+
+def test_an_expert_parallel_model_re_placed_on_one_device_gives_the_same_logits():
+    """`place_model` undoes what any strategy installed (the all-to-all dispatch), knowing no part."""
+    import jax
+
+    from eqgpt.nn import GPT
+    from eqgpt.nn.moe import LocalExperts
+
+    config = eqgpt.preset("moe-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=2, seq_len=16)
+    make = lambda k: GPT(config, key=k)  # noqa: E731
+    placed = Strategy(make_mesh("expert=4,data=2"), "dp").init_model(make, jax.random.key(0))
+    assert not isinstance(placed.blocks.mlp.dispatch, LocalExperts)
+    single = Strategy().place_model(placed)
+    assert isinstance(single.blocks.mlp.dispatch, LocalExperts)
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int32)
+    want = jax.jit(lambda m, t: m(t))(make(jax.random.key(0)), tokens)
+    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(single, tokens), want, rtol=1e-5, atol=1e-6)

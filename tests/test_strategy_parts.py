@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -130,4 +131,37 @@ def test_strategy_methods_do_not_branch_per_part():
         lazy = [n for n in ast.walk(method) if isinstance(n, ast.Import | ast.ImportFrom)]
         if lazy:
             offenders.append(f"{method.name}: imports inside the method")
+    assert offenders == []
+
+
+PARALLEL = Path(strategy_module.__file__).parent
+
+
+def _part_modules() -> dict[str, Path]:
+    """Module name -> file of every module under parallel/ that defines a `Part`."""
+    found = {}
+    for path in PARALLEL.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.ClassDef) and any(getattr(b, "id", None) == "Part" for b in n.bases)
+               for n in tree.body):
+            found["eqgpt." + ".".join(path.relative_to(PARALLEL.parent).with_suffix("").parts)] = path
+    return found
+
+
+def test_no_part_module_imports_another():
+    parts = _part_modules()
+    assert len(parts) == 7, sorted(parts)
+    crossing = []
+    for name, path in parts.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in parts and node.module != name:
+                crossing.append(f"{name} imports {node.module}")
+    assert crossing == []
+
+
+def test_parallel_reads_no_model_config():
+    """Parts read models through `eqgpt.nn.LanguageModel` (and logical axis sizes), never a config."""
+    offenders = [f"{path.relative_to(PARALLEL)}:{i}" for path in PARALLEL.rglob("*.py")
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if "GPTConfig" in line or ".config." in line or '"config"' in line]
     assert offenders == []

@@ -148,6 +148,13 @@ class GPTConfig:
     def hidden_dim(self) -> int:
         return 4 * self.embed_dim if self.mlp_dim is None else self.mlp_dim
 
+    def logical_sizes(self) -> dict[str, int]:
+        """The size of each logical axis of the model's arrays (`heads`: `num_heads * head_dim`),
+        and `seq_len`, its positions: what a mesh must divide (`eqgpt.parallel.check_divisibility`)."""
+        return {"embed": self.embed_dim, "heads": self.num_heads * self.head_dim,
+                "kv_heads": self.kv_heads * self.head_dim, "mlp": self.hidden_dim, "vocab": self.padded_vocab_size,
+                "layers": self.num_layers, "head_dim": self.head_dim, "seq_len": self.seq_len}
+
     def architecture(self) -> dict:
         """The fields that fix the parameters and the function they compute: every field but
         how the layers run (`attention_kernel`, `remat`, `scan_layers`), which a run may

@@ -119,6 +119,27 @@ class GPT(eqx.Module):
         self.shard = NoConstraint()
         self.config = c
 
+    # ------------------------------------------------------------------ what layer-wise strategies read
+
+    @property
+    def seq_len(self) -> int:
+        """The longest sequence the model takes (its positions)."""
+        return self.config.seq_len
+
+    def logical_sizes(self) -> dict[str, int]:
+        """The size of each logical axis of the model's arrays, and `seq_len` (`GPTConfig.logical_sizes`)."""
+        return self.config.logical_sizes()
+
+    @property
+    def moe(self):
+        """The `MoEConfig` of its MoE layers (their router losses), or `None` for a dense model."""
+        return self.config.moe
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many of its layers are MoE layers."""
+        return 0 if self.config.moe is None else self.config.num_layers // self.config.moe.every
+
     def _check_len(self, t: int):
         if t > self.config.seq_len:
             raise ValueError(

@@ -14,6 +14,11 @@ has these five members and keeps its layers stacked on a leading axis:
 - `norm(h) -> h`: the final normalisation.
 - `logits(h) -> [batch, seq, vocab]`: the output head.
 
+Optional members, read where present (`OPTIONAL`): `seq_len` (the longest
+sequence), `logical_sizes()` (each logical axis's size and `seq_len`: what a mesh
+must divide), `moe` (the MoE layers' `MoEConfig`, for their router losses, or
+`None`) and `num_moe_layers`.
+
 Nothing else is read: no config, no names of embedding or head modules. The
 width comes from `jax.eval_shape` of `embed`, the layer count from the arrays of
 `blocks` (`num_layers`). `eqgpt.nn.GPT` satisfies it; see
@@ -59,6 +64,7 @@ class LanguageModel(Protocol):
 
 
 MEMBERS = ("embed", "blocks", "run_blocks", "norm", "logits")
+OPTIONAL = ("seq_len", "logical_sizes", "moe", "num_moe_layers")
 
 
 def check_language_model(model: Any) -> None:

@@ -23,7 +23,6 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from eqgpt.config import GPTConfig
 from eqgpt.nn.axes import REGION_INPUT, LogicalAxes, logical_axes, map_constraints
 from eqgpt.parallel.rules import (
     REPLICATE_IF_INDIVISIBLE,
@@ -427,25 +426,24 @@ def check_replication(
 
 
 def check_divisibility(
-    config: GPTConfig, mesh: Mesh, rules: Rules, batch_size: int, seq_len: int,
+    model: Any, mesh: Mesh, rules: Rules, batch_size: int, seq_len: int,
     overrides: Overrides = None,
 ) -> None:
     """Raise `ValueError`, before anything compiles, if the mesh cannot split the model's sizes.
 
-    Checks every logical size of a `GPTConfig` model (heads, kv heads, MLP width,
-    vocabulary, embedding, batch, sequence) against the product of the mesh axes
-    the rules (and overrides) map it to, in both tables. `kv_heads` that the
-    tensor axis does not divide are replicated instead (Megatron's GQA layout).
+    `model` is anything with `logical_sizes()` (a `GPT`, its `eqx.filter_eval_shape`, or
+    the model's config): the size of each logical axis (heads, kv heads, MLP width, vocabulary,
+    embedding, layers) and its `seq_len`. Each, and the batch and sequence, is checked
+    against the product of the mesh axes the rules (and overrides) map it to, in both
+    tables. `kv_heads` that the tensor axis does not divide are replicated instead
+    (Megatron's GQA layout).
     """
-    c = config
-    sizes = {
-        "batch": batch_size, "seq": seq_len, "inner_seq": seq_len, "embed": c.embed_dim,
-        "heads": c.num_heads * c.head_dim, "kv_heads": c.kv_heads * c.head_dim,
-        "mlp": c.hidden_dim, "vocab": c.padded_vocab_size, "layers": c.num_layers, "head_dim": c.head_dim,
-    }
-    counts = {"heads": ("heads", c.num_heads), "kv_heads": ("kv heads", c.kv_heads)}
-    if seq_len > c.seq_len:
-        raise ValueError(f"seq_len {seq_len} is longer than the model's seq_len {c.seq_len}.")
+    c = dict(model.logical_sizes())
+    max_len, head_dim = c.pop("seq_len"), c["head_dim"]
+    sizes = {"batch": batch_size, "seq": seq_len, "inner_seq": seq_len, **c}
+    counts = {"heads": ("heads", c["heads"] // head_dim), "kv_heads": ("kv heads", c["kv_heads"] // head_dim)}
+    if seq_len > max_len:
+        raise ValueError(f"seq_len {seq_len} is longer than the model's seq_len {max_len}.")
     for r in [rules, *(overrides or {}).values()]:
         for kind in ("params", "activations"):
             for name, axes in r.table(kind).items():

@@ -130,13 +130,13 @@ def check_expert(model_like: PyTree, mesh: Mesh) -> None:
     if not layers:
         raise ValueError(
             f"the mesh has expert={n} but the model has no MoE layers: the devices would repeat the same "
-            "work. Use an MoE model (--model.preset moe-nano, or GPTConfig(moe=MoEConfig(...))), or drop "
+            "work. Use an MoE model (--model.preset moe-nano, or a config with moe=MoEConfig(...)), or drop "
             "expert from --mesh."
         )
     e = layers[0].num_experts
     if e % n:
         raise ValueError(
-            f"GPTConfig.moe.num_experts={e} is not divisible by the expert axis ({n} devices, --mesh expert={n}); "
+            f"the model's moe.num_experts={e} is not divisible by the expert axis ({n} devices, --mesh expert={n}); "
             f"use an expert axis in {[d for d in range(1, e + 1) if e % d == 0]} or change num_experts."
         )
 
@@ -179,6 +179,10 @@ class Expert(Part):
 
     def prepare(self, strategy: Any, model: PyTree) -> PyTree:
         return use_expert_parallel(model, strategy.mesh, self.impl, strategy.rules)
+
+    @classmethod
+    def unprepare(cls, model: PyTree) -> PyTree:
+        return use_dispatch(model, LocalExperts())  # the layers' own dispatch, on whatever devices
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         check_expert(model_like, strategy.mesh)

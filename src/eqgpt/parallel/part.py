@@ -130,6 +130,12 @@ class Part:
         """The placed model with what the part installs (kernels; host memory)."""
         return model
 
+    @classmethod
+    def unprepare(cls, model: PyTree) -> PyTree:
+        """`model` without what a part of this kind installs (any strategy's): `Strategy.place_model`
+        applies every kind's (`KINDS`) before placing a model, so it needs to know none."""
+        return model
+
     def prepare_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
         """The placed optimizer state where it lives between steps."""
         return opt_state

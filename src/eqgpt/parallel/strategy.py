@@ -40,7 +40,6 @@ from jaxtyping import PRNGKeyArray, PyTree
 from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_batch_loss
 from eqgpt.parallel.auto import check_divisibility
-from eqgpt.parallel.context.model import strip_context_attention
 from eqgpt.parallel.flags import ParallelFlags
 from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.part import KINDS, GradFn, LossFn, Part, Update
@@ -208,7 +207,8 @@ class Strategy:
 
     def place_model(self, model: PyTree) -> PyTree:
         """An existing model (any placement, any strategy's kernels) moved into this strategy's layout."""
-        model = strip_context_attention(model)
+        for kind in KINDS:  # what any strategy installed, whichever placed the model
+            model = kind.unprepare(model)
         return self.prepare(self.placement_for(model).place_model(model))
 
     def init_opt_state(self, optimizer: Any, model: PyTree) -> PyTree:
@@ -287,9 +287,9 @@ class Strategy:
                 f"divisible by {self.batch_divisor} data-parallel devices{micro} = {self.rows_divisor}; "
                 f"use a --batch-size that is a multiple of {self.rows_divisor * accum_steps}."
             )
-        config = getattr(model_like, "config", None)
-        if config is not None and all(p.automatic for p in self.parts):  # the rules lay out every part's work
-            check_divisibility(config, self.mesh, self.rules, rows // self._microbatches, seq_len, self.overrides)
+        sized = hasattr(model_like, "logical_sizes")  # `eqgpt.nn.LanguageModel`'s optional sizes
+        if sized and all(p.automatic for p in self.parts):  # the rules lay out every part's work
+            check_divisibility(model_like, self.mesh, self.rules, rows // self._microbatches, seq_len, self.overrides)
 
     # ------------------------------------------------------------------ the loss
 

@@ -17,7 +17,7 @@ from eqgpt.nn.attention import Attention
 from eqgpt.parallel.context.kernel import IMPLS, Impl
 from eqgpt.parallel.context.layout import check_layout
 from eqgpt.parallel.context.loss import context_loss_fn, context_rules
-from eqgpt.parallel.context.model import use_context_attention
+from eqgpt.parallel.context.model import strip_context_attention, use_context_attention
 from eqgpt.parallel.context.ulysses import kv_replication
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import Rules
@@ -67,6 +67,10 @@ class Context(Part):
     def prepare(self, strategy: Any, model: PyTree) -> PyTree:
         return use_context_attention(model, strategy.mesh, self,
                                      batch_axes=strategy.rules.axes("batch", "activations"))
+
+    @classmethod
+    def unprepare(cls, model: PyTree) -> PyTree:
+        return strip_context_attention(model)
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         if strategy.mesh.shape.get(self.axis, 1) < 2:

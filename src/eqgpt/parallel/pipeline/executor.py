@@ -664,7 +664,8 @@ class PipelineGradFn:
         context_axis = None
         positions = jnp.arange(t)
         if ctx is not None and mesh.shape[ctx.axis] > 1:  # the sequence over `context`: laid out once, here
-            from eqgpt.parallel.context import layout_batch, use_context_attention
+            from eqgpt.parallel.context.layout import layout_batch
+            from eqgpt.parallel.context.model import use_context_attention
 
             context_axis = ctx.axis
             fields = layout_batch(fields, mesh.shape[ctx.axis], ctx.ordering)
@@ -680,8 +681,8 @@ class PipelineGradFn:
             specs = param_specs(eqx.filter(model, eqx.is_array), self.rules, mesh=mesh)
         block_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
         rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
-        moe = getattr(getattr(model, "config", None), "moe", None)
-        moe_layers = 0 if moe is None else model.config.num_layers // moe.every
+        moe = getattr(model, "moe", None)  # the MoE accessors of `eqgpt.nn.LanguageModel`
+        moe_layers = getattr(model, "num_moe_layers", 0)
         step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
                           width=width, policy=self.policy, context_axis=context_axis, moe=moe, moe_layers=moe_layers,
                           padded=padded, bucket_bytes=self.bucket_bytes)
