@@ -48,15 +48,31 @@ def run_recipe(recipe, args: list[str]) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """The path of a folder `name` shared by this session's xdist workers (their base
+    directories' parent), so that what one worker made another can read."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+
+
 def shared_corpus(tmp_path_factory, name: str) -> Path:
     """A folder `name` holding a small document corpus (`docs/`), shared by the xdist workers
-    (their base directories' parent), so that runs one worker made another can read."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    (`shared_dir`), so that runs one worker made another can read."""
+    root = shared_dir(tmp_path_factory, name)
     with FileLock(str(root) + ".lock"):
         if not (root / "docs").exists():
             write_documents(root / "docs")
     return root
+
+
+def subprocess_compile_cache(tmp_path_factory) -> tuple[dict[str, str], list[str]]:
+    """The environment and flags of a `train_gpt.py` subprocess with its own xdist worker's persistent
+    compilation cache (in the worker's base directory): a program one of the worker's runs compiled
+    (the same strategy resumed, a mesh's initialisation, the small programs every run has) is read
+    back, not compiled again. One directory per worker, whose runs follow one another: workers
+    never read an entry another is writing (see conftest.py). **Returns** (env, flags)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("EQGPT_NO_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    return env, ["--compile-cache-dir", str(tmp_path_factory.getbasetemp() / "xla-cache")]
 
 
 def run_once(root: Path, name: str, args: list[str]) -> list[dict]:

@@ -25,6 +25,7 @@ from eqgpt.profile.collectives import _module_from_text
 from eqgpt.profile.schedule import _Flops, _text
 from eqgpt.train import Strategy
 from parallel_cases import CONFIGS, OPTIMIZER, OPTIONS, batches, sharded_run
+from recipe_runs import subprocess_compile_cache
 from test_strategies import corpus, run, trained  # noqa: F401 (corpus is a fixture)
 
 MESHES = {"dp": ["--mesh", "data=8", "--strategy", "dp"], "fsdp": ["--mesh", "fsdp=8", "--strategy", "fsdp"],
@@ -34,11 +35,13 @@ MESHES = {"dp": ["--mesh", "data=8", "--strategy", "dp"], "fsdp": ["--mesh", "fs
 @pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.xdist_group(m)) for m in MESHES])
 def test_overlap_trains_like_no_overlap_and_one_device(mesh, corpus, tmp_path_factory):  # noqa: F811
     single = trained("single", corpus, tmp_path_factory)[0][:5]
+    cache = subprocess_compile_cache(tmp_path_factory)  # this worker's compilation cache
     if mesh == "fsdp+tp":  # test_strategies' run of the same flags without --overlap
         off = trained(mesh, corpus, tmp_path_factory)[0]
     else:
-        off = run(corpus, tmp_path_factory.mktemp(f"{mesh}-off"), "single", *MESHES[mesh], "--steps", "5")
-    on = run(corpus, tmp_path_factory.mktemp(f"{mesh}-on"), "single", *MESHES[mesh], "--overlap", "--steps", "5")
+        off = run(corpus, tmp_path_factory.mktemp(f"{mesh}-off"), "single", *MESHES[mesh], "--steps", "5", cache=cache)
+    on = run(corpus, tmp_path_factory.mktemp(f"{mesh}-on"), "single", *MESHES[mesh], "--overlap", "--steps", "5",
+             cache=cache)
     np.testing.assert_allclose(on, off, rtol=1e-5)
     np.testing.assert_allclose(on, single, rtol=1e-5)
 

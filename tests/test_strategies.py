@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tyro
+from filelock import FileLock
 
 from eqgpt.launch import GLIBC_MALLOC_TUNABLES
-from recipe_runs import RECIPES, load_recipe
+from recipe_runs import RECIPES, load_recipe, run_dir, shared_dir, subprocess_compile_cache
 
 # A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
 # (tensor=4), 32 positions (zigzag over context=2, SP over tensor=4), batch 16
@@ -85,17 +86,24 @@ def corpus(tmp_path_factory) -> list[str]:
     return ["--data.corpus", str(root), "--data.cache-dir", str(cache), "--data.val-percent", "20"]
 
 
-def run(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[float]:
+def run(corpus: list[str], out: Path, strategy: str, *extra: str, cache: tuple | None = None) -> list[float]:
     """`python recipes/train_gpt.py <flags>` in a fresh process, as a user runs it (and apart from
     the compiled programs this worker has accumulated: XLA:CPU in jax 0.12 has crashed compiling
-    in a long-lived test process what compiles fine in a new one); **returns** its logged
-    `(loss, grad_norm)` per step."""
+    in a long-lived test process what compiles fine in a new one); with `cache`
+    (`recipe_runs.subprocess_compile_cache`), the worker's own compilation cache. **Returns** its
+    logged `(loss, grad_norm)` per step."""
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
+    env, cache_flags = cache or (os.environ, [])
     # XLA_FLAGS comes from conftest.py: every compile at XLA:CPU's backend optimisation level 0.
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES}
-    proc = subprocess.run([sys.executable, str(RECIPE_PATH), *args], env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+    env = {**env, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES}
+    proc = subprocess.run([sys.executable, str(RECIPE_PATH), *args, *cache_flags], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"train_gpt.py {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return logged(out)
+
+
+def logged(out: Path) -> list[tuple[float, float]]:
+    """A run's logged `(loss, grad_norm)` per step (in `out/metrics.jsonl`)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # (loss, grad_norm) per step: a gradient scaled by a constant leaves AdamW's losses alike, not its norm.
     return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
@@ -105,12 +113,21 @@ _RUNS: dict[str, tuple[list[float], Path]] = {}
 
 
 def trained(strategy: str, corpus, tmp_path_factory) -> tuple[list[float], Path]:
-    """One run per strategy and worker, checkpointed after step 3: 6 steps on one device (the
-    reference every other run must reproduce), 5 under the others. **Returns** (losses, out dir)."""
+    """One run per strategy, checkpointed after step 3, made once for all xdist workers (the
+    first to need it runs it, in a folder they share): 6 steps on one device (the reference
+    every other run must reproduce), 5 under the others. **Returns** (losses, out dir)."""
     if strategy not in _RUNS:
-        out = tmp_path_factory.mktemp(strategy.replace(" ", "_").replace(",", "_"))
-        steps = "6" if strategy == "single" else "5"
-        _RUNS[strategy] = run(corpus, out, strategy, "--steps", steps, "--checkpoint-every", "3"), out
+        root = shared_dir(tmp_path_factory, "strategies")
+        root.mkdir(exist_ok=True)
+        out = run_dir(root, strategy.replace(" ", "_"))
+        with FileLock(str(out) + ".lock"):
+            if not (out / "done").exists():
+                shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left
+                steps = "6" if strategy == "single" else "5"
+                run(corpus, out, strategy, "--steps", steps, "--checkpoint-every", "3",
+                    cache=subprocess_compile_cache(tmp_path_factory))
+                (out / "done").touch()
+        _RUNS[strategy] = logged(out), out
     return _RUNS[strategy]
 
 
@@ -143,7 +160,7 @@ def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_pat
     for target in targets:
         out = tmp_path / target.replace(" ", "_")
         shutil.copytree(saved_dir / "checkpoints" / "3", out / "checkpoints" / "3")  # the step-3 checkpoint only
-        resumed = run(corpus, out, target, "--steps", "6", "--resume")
+        resumed = run(corpus, out, target, "--steps", "6", "--resume", cache=subprocess_compile_cache(tmp_path_factory))
         np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5, err_msg=f"saved under {saved}, resumed under {target}")
 
 
@@ -153,7 +170,7 @@ def test_zero_bubble_checkpoint_restores_on_one_device(corpus, tmp_path, tmp_pat
     ref = trained("single", corpus, tmp_path_factory)[0]
     _, saved_dir = trained("pipeline=4,data=2 zb1", corpus, tmp_path_factory)
     shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
-    resumed = run(corpus, tmp_path, "single", "--steps", "6", "--resume")
+    resumed = run(corpus, tmp_path, "single", "--steps", "6", "--resume", cache=subprocess_compile_cache(tmp_path_factory))
     np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5)
 
 
