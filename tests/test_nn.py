@@ -250,8 +250,12 @@ def test_norms_match_their_formulas():
     np.testing.assert_allclose(rms, x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6), rtol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("cfg", [TINY, TINY_LLAMA, TINY_LLAMA.replace(mask="sliding", window=3),
+                                 TINY.replace(attention_kernel="blockwise")],
+                         ids=["gpt2", "llama", "llama-window3", "gpt2-blockwise-prefill"])
 def test_kv_cache_decode_equals_full_forward(cfg):
+    """Prefill 7 tokens, then decode 5 one by one: the logits of the whole forward. The window
+    (3 keys) is shorter than the cache, so decoding must drop keys the cache still holds."""
     model = nn.GPT(cfg, key=jax.random.key(0))
     toks = tokens(jax.random.key(1), batch=2, seq=12)
     full = model(toks)

@@ -171,10 +171,11 @@ class Attention(eqx.Module):
         return self.output(o)
 
     def decode(
-        self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]
+        self, x: Float[Array, "batch new embed"], cache: KVCache | None, index: Int[Array, ""]
     ) -> tuple[Float[Array, "batch new embed"], KVCache]:
         """Attend `x` (tokens at positions `index..index+new-1`) to the cache's first `index`
-        positions and to itself.
+        positions and to itself; `cache=None` is an empty cache (a prefill), which runs the
+        model's own kernel.
 
         **Returns:** the output and the new tokens' keys and values (`[batch, new, kv_heads,
         head_dim]`), which the caller writes into its cache at `index`: the cache is only
@@ -182,8 +183,11 @@ class Attention(eqx.Module):
         """
         positions = index + jnp.arange(x.shape[1])
         q, k, v = self.project(x, positions)
-        o = attend_cached(q, k, v, cache, self.mask, positions, index)
-        return self.output(o), KVCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+        if cache is None:
+            o = get_kernel(self.kernel)(q, k, v, mask=self.mask, q_pos=positions, k_pos=positions)
+        else:
+            o = attend_cached(q, k, v, cache, self.mask, positions, index)
+        return self.output(o), KVCache(k, v)
 
 
 def attend_cached(

@@ -87,7 +87,7 @@ class Block(eqx.Module):
         return apply_remat(Block._forward, self.remat)(self, x, positions, segment_ids, doc_positions)
 
     def decode(
-        self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]
+        self, x: Float[Array, "batch new embed"], cache: KVCache | None, index: Int[Array, ""]
     ) -> tuple[Float[Array, "batch new embed"], KVCache]:
         """One incremental step reading the KV cache (no remat: there is no backward); returns
         the new tokens' keys and values for the caller to write."""
@@ -121,12 +121,12 @@ class LayerGroup(eqx.Module):
     def __call__(self, x: Float[Array, "batch seq embed"], **kw) -> Float[Array, "batch seq embed"]:
         return self.with_stats(x, **kw)[0]
 
-    def decode(self, x: Float[Array, "batch new embed"], cache: KVCache, index: Int[Array, ""]):
+    def decode(self, x: Float[Array, "batch new embed"], cache: KVCache | None, index: Int[Array, ""]):
         """One incremental step; `cache` holds the group's layers on a leading axis, as do the
         new keys and values returned."""
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            x, c = layer.decode(x, KVCache(cache.k[i], cache.v[i]), index)
+            x, c = layer.decode(x, None if cache is None else KVCache(cache.k[i], cache.v[i]), index)
             ks.append(c.k)
             vs.append(c.v)
         return x, KVCache(jnp.stack(ks), jnp.stack(vs))

@@ -290,7 +290,9 @@ class GPT(eqx.Module):
         self, tokens: Int[Array, "batch new"], cache: KVCache, index: Int[Array, ""] | int
     ) -> tuple[Float[Array, "batch new vocab"], KVCache]:
         """Logits for `tokens` at positions `index..` (over the padded vocabulary, padding at -inf),
-        attending to the cache; the updated cache."""
+        attending to the cache; the updated cache. A literal `index=0` (a prefill) reads nothing
+        from the cache and attends with the model's own kernel."""
+        fresh = isinstance(index, int) and index == 0
         index = jnp.asarray(index, jnp.int32)
         positions = index + jnp.arange(tokens.shape[1])
         x = self.embed(tokens, positions)
@@ -305,7 +307,7 @@ class GPT(eqx.Module):
 
         # Unrolled, so each layer reads its cache in place; the new rows are written once,
         # in place, after the stack (a scan's per-layer cache outputs would copy it all).
-        x, rows = jax.lax.scan(layer, x, (dynamic, cache), unroll=True)
+        x, rows = jax.lax.scan(layer, x, (dynamic, None if fresh else cache), unroll=True)
         write = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), index, axis=a.ndim - 3)  # noqa: E731
         cache = jax.tree.map(write, cache, rows)
         if n > 1:
