@@ -1,6 +1,6 @@
 """`ParallelFlags`: a parallelism as flags, one optional part per kind.
 
-    ParallelFlags(mesh="pipeline=2,data=4", strategy="dp", pipeline=Pipeline("1f1b", 8)).strategy()
+    ParallelFlags(mesh="pipeline=2,data=4", rules="dp", pipeline=Pipeline("1f1b", 8)).strategy()
 
 A new kind of parallelism is its module (a `Part`, a frozen dataclass of its settings)
 and one line here: `name: MyPart | None = None`. On a tyro command line
@@ -61,7 +61,7 @@ class ParallelFlags:
         import jax
 
         from eqgpt.parallel.mesh import make_mesh
-        from eqgpt.parallel.strategy import Strategy
+        from eqgpt.parallel.strategy import Strategy  # which builds from these flags in `parse`
 
         parts = self.parts()
         mesh = self.mesh or ("data=-1" if jax.process_count() > 1 else "")
@@ -80,8 +80,8 @@ class ParallelFlags:
         for name, flags in table.items():
             for flag, s in flags.items():
                 owners = [n for n, f in table.items() if flag in f]
-                if (s is not None and s != kinds[name].switch and flag in values and all(parts[o] is None for o in owners)
-                        and values[flag] != _defaults(kinds[name])[s]):
+                setting = s is not None and s != kinds[name].switch and flag in values
+                if setting and values[flag] != _defaults(kinds[name])[s] and all(parts[o] is None for o in owners):
                     raise ValueError(f"{s} (--{flag.replace('_', '-')}) is a setting of "
                                      f"{' and '.join('--' + o for o in owners)} and does nothing without it: "
                                      + " or ".join(f"add --{o}" for o in owners) + ".")
