@@ -20,7 +20,7 @@ def load(name):
     return module
 
 
-def test_train_then_sample(tmp_path):
+def test_train_then_sample(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     rng = np.random.default_rng(0)
@@ -44,6 +44,7 @@ def test_train_then_sample(tmp_path):
     assert summary["samples"][0].startswith("def ")
     texts = load("sample").main(load("sample").SampleConfig(run_dir=out, prompt="def ", max_new_tokens=5, num_samples=1))
     assert len(texts) == 1 and texts[0].startswith("def ")
+    assert "(1 x 5 tokens in " in capsys.readouterr().out  # the sampler reports its speed
 
 
 def test_help_documents_options():

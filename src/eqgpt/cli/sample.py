@@ -11,6 +11,7 @@ run recorded (`model_config.json`), imported by its `module:name`, or `--block`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -124,11 +125,15 @@ def main(cfg: SampleConfig) -> list[str]:
     n = min(cfg.max_new_tokens, room)
     if n < cfg.max_new_tokens:
         print(f"(generating {n} tokens: the model's context is {model.config.seq_len})")
+    start = time.perf_counter()
     texts = generate_text(model, tok, cfg.prompt, n, key=jax.random.key(cfg.seed), num_samples=cfg.num_samples,
                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop=cfg.stop,
                           strategy=strategy)
+    seconds = time.perf_counter() - start
     for i, t in enumerate(texts):
         print(f"--- sample {i} ---\n{t}")
+    print(f"({cfg.num_samples} x {n} tokens in {seconds:.2f} s: {cfg.num_samples * n / seconds:,.0f} tokens/s "
+          "with the compilation; benchmarks/generate_speed.py times decoding alone)")
     return texts
 
 
