@@ -6,7 +6,7 @@ Every option is a dataclass field below (`eqgpt.cli.flags` for --model, --data,
 
     eqgpt-train
     eqgpt-train --steps 50 --data.corpus 'notes/**/*.md'
-    eqgpt-train --import mypkg --model.attention-kernel mine --model.block mine   # your package's kernel and block
+    eqgpt-train --import mypkg --model.attention-kernel mine --model.block narrow   # your kernel and block (docs/extending.md)
 
 `recipes/train_gpt.py` runs the same.
 """
