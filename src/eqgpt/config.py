@@ -50,7 +50,8 @@ class MoEConfig:
             raise ValueError(f"GPTConfig.moe.capacity_factor must be > 0, got {self.capacity_factor}; "
                              "use e.g. 1.25, or dropless=True for no capacity limit.")
         if self.every < 1 or self.num_shared < 0 or (self.expert_dim is not None and self.expert_dim < 1):
-            raise ValueError(f"GPTConfig.moe: every >= 1, num_shared >= 0 and expert_dim >= 1 are required, got {self}.")
+            raise ValueError(
+                f"GPTConfig.moe: every >= 1, num_shared >= 0 and expert_dim >= 1 are required, got {self}.")
         if self.aux_loss_weight < 0 or self.router_z_weight < 0:
             raise ValueError(f"GPTConfig.moe loss weights must be >= 0, got {self}.")
 

@@ -20,19 +20,24 @@ class DataConfig:
     """Where the text comes from."""
 
     corpus: str = "stdlib"
-    """'stdlib' (this Python's standard library .py files), a directory (hidden and binary files skipped), a glob such as 'docs/**/*.md', one text file (its tail validates), a nanoGPT data folder (train.bin, val.bin, meta.pkl), or a .bin (uint16) / .npy token file."""
+    ("'stdlib' (this Python's standard library .py files), a directory (hidden and binary files skipped), a glob such "
+     "as 'docs/**/*.md', one text file (its tail validates), a nanoGPT data folder (train.bin, val.bin, meta.pkl), or "
+     "a .bin (uint16) / .npy token file.")
     cache_dir: Path | None = None
     """Token cache directory (default: $EQGPT_CACHE or ~/.cache/eqgpt)."""
     val_percent: float = 5.0
     """Share held out for validation: of files (text) or of the token tail (token files)."""
     mode: Literal["windows", "packed"] = "windows"
-    """'windows': random windows across documents (as always); 'packed': whole documents packed into rows, with segment ids and positions restarting per document (see docs/data.md)."""
+    ("'windows': random windows across documents (as always); 'packed': whole documents packed into rows, with "
+     "segment ids and positions restarting per document (see docs/data.md).")
     threads: int = 2
     """Grain background threads building batches (0: load in the training thread)."""
     prefetch: int = 4
     """Batches built ahead of the step."""
     tokenizer: str = "bytes"
-    """'bytes' (default), 'bpe:N' (byte-level BPE of N tokens trained on the training split, cached with the tokens), a tokenizer.json, or a GPT-2 vocab.json (merges.txt beside it). A non-byte tokenizer sets the model's vocab_size."""
+    ("'bytes' (default), 'bpe:N' (byte-level BPE of N tokens trained on the training split, cached with the tokens), "
+     "a tokenizer.json, or a GPT-2 vocab.json (merges.txt beside it). A non-byte tokenizer sets the model's "
+     "vocab_size.")
 
 
 @dataclass
@@ -62,9 +67,12 @@ class ModelConfig:
     window: int | None = None
     """Override: sliding-window attention over this many keys per query (default: causal over all)."""
     block: str | None = None
-    """Block factory building each layer: a name registered with eqgpt.nn.register_block, or MODULE:NAME (default: eqgpt's own block). Recorded in model_config.json for eqgpt-sample."""
+    ("Block factory building each layer: a name registered with eqgpt.nn.register_block, or MODULE:NAME (default: "
+     "eqgpt's own block). Recorded in model_config.json for eqgpt-sample.")
     scan_layers: bool = False
-    """Run the layers as one lax.scan (compile time independent of depth). By default models of up to 8 layers (12 on an accelerator) unroll them, for faster steps; deeper ones scan, as an unrolled stack's compile time grows with depth (eqgpt.config.scans_by_default)."""
+    ("Run the layers as one lax.scan (compile time independent of depth). By default models of up to 8 layers (12 on "
+     "an accelerator) unroll them, for faster steps; deeper ones scan, as an unrolled stack's compile time grows with "
+     "depth (eqgpt.config.scans_by_default).")
     num_experts: int | None = None
     """Override: MoE experts per layer (an MoE preset such as moe-nano; on a dense preset, makes it MoE)."""
     top_k: int | None = None
@@ -74,11 +82,14 @@ class ModelConfig:
     dropless: bool | None = None
     """Override: compute every routed token (grouped matmul; no capacity, nothing drops)."""
     attention_kernel: str | None = None
-    """Override: attention kernel: auto (default: splash on TPU, cudnn on GPU, reference or blockwise on CPU by length), reference, blockwise, splash, cudnn, or a registered name."""
+    ("Override: attention kernel: auto (default: splash on TPU, cudnn on GPU, reference or blockwise on CPU by "
+     "length), reference, blockwise, splash, cudnn, or a registered name.")
     remat: str | None = None
-    """Override: gradient checkpointing per layer: none, full, minimal (save every matmul output), save_dot_except_mlp, save_qkv_proj, save_out_proj, names:..., offload:... (eqgpt.nn.remat)."""
+    ("Override: gradient checkpointing per layer: none, full, minimal (save every matmul output), "
+     "save_dot_except_mlp, save_qkv_proj, save_out_proj, names:..., offload:... (eqgpt.nn.remat).")
     vocab_size: int | None = None
-    """Override: vocabulary size. Default: the tokenizer's for text; for a .bin/.npy token file, its NAME.meta.json {"vocab_size": N}, else the file's max id + 1 rounded up to a multiple of 64."""
+    ("Override: vocabulary size. Default: the tokenizer's for text; for a .bin/.npy token file, its NAME.meta.json "
+     "{\"vocab_size\": N}, else the file's max id + 1 rounded up to a multiple of 64.")
 
     def build(self) -> eqgpt.GPTConfig:
         """The preset with the overrides given; errors name the flags."""

@@ -26,7 +26,8 @@ class SampleConfig:
     """Load a trained model and continue a prompt."""
 
     run_dir: Path = Path("runs/latest")
-    """Output directory of a training run (holds model.eqx, model_config.json and tokenizer.json); default: the newest run."""
+    ("Output directory of a training run (holds model.eqx, model_config.json and tokenizer.json); default: the newest "
+     "run.")
     hf: Path | None = None
     """Instead of --run-dir: a Hugging Face GPT-2 / Llama directory (config.json + model.safetensors)."""
     tokenizer: str | None = None

@@ -118,7 +118,8 @@ def scan_text_files(source: str | Path) -> tuple[Path, list[Path], tuple[str, ..
     binary = [f for f in found if f not in set(files)]
     note = _skipped_note(s, binary, hidden_dirs, hidden_files)
     if not files:
-        raise ValueError(f"corpus {s!r} holds no text files" + (f" ({note})" if note else "") + "; put text files in it.")
+        raise ValueError(f"corpus {s!r} holds no text files" + (f" ({note})" if note else "")
+                         + "; put text files in it.")
     root = path if not any(ch in s for ch in "*?[") else Path(os.path.commonpath([str(f.parent) for f in files]))
     return root, files, (note,) if note else ()
 
@@ -357,13 +358,16 @@ def _token_file_vocab(path: Path, tokens: np.ndarray, vocab_size: int | None) ->
         raise ValueError(f"{path} holds negative token ids (the first at offset {int(np.argmax(tokens < 0))}); "
                          "token ids must lie in 0..vocab_size-1.")
     max_id = int(tokens.max()) if tokens.size else 0
-    source, fix = "given as vocab_size, --model.vocab-size in train_gpt.py", f"give one above {max_id}, or leave it out to infer it from the file"
+    source, fix = ("given as vocab_size, --model.vocab-size in train_gpt.py",
+                   f"give one above {max_id}, or leave it out to infer it from the file")
     if vocab_size is None and vocab_sidecar(path).exists():
         try:
             vocab_size = int(json.loads(vocab_sidecar(path).read_text())["vocab_size"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{vocab_sidecar(path)} must hold {{\"vocab_size\": N}}: {e!r}") from None
-        source, fix = f"from {vocab_sidecar(path)}", f"write one above {max_id} there, or delete {vocab_sidecar(path).name} to infer it from the file"
+        source, fix = (f"from {vocab_sidecar(path)}",
+                       f"write one above {max_id} there, or delete {vocab_sidecar(path).name} to infer it from "
+                       "the file")
     if vocab_size is None:
         return inferred_vocab_size(max_id)
     if max_id >= vocab_size:
@@ -417,7 +421,8 @@ def read_meta(path: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - any unpickling failure means: not such a dict
         raise ValueError(f"{what}; refused: {e}") from None
     if not isinstance(meta, dict) or not set(meta) <= META_KEYS or not isinstance(meta.get("vocab_size"), int):
-        raise ValueError(f"{what}; it holds {type(meta).__name__}" + (f" with keys {sorted(map(str, meta))}" if isinstance(meta, dict) else ""))
+        raise ValueError(f"{what}; it holds {type(meta).__name__}"
+                         + (f" with keys {sorted(map(str, meta))}" if isinstance(meta, dict) else ""))
     itos, stoi = meta.get("itos"), meta.get("stoi")
     if (itos is None) != (stoi is None) or not (itos is None or (
             isinstance(itos, dict) and isinstance(stoi, dict)
@@ -433,7 +438,8 @@ def nanogpt_folder(source: str | Path) -> Path | None:
     path = Path(str(source)).expanduser()
     if path.is_dir() and (path / "train.bin").is_file():
         return path
-    if path.name == "train.bin" and path.is_file() and any((path.parent / n).is_file() for n in ("val.bin", "meta.pkl")):
+    if (path.name == "train.bin" and path.is_file()
+            and any((path.parent / n).is_file() for n in ("val.bin", "meta.pkl"))):
         return path.parent
     return None
 
@@ -465,7 +471,8 @@ def _too_small(corpus: Corpus, source, split: str, n: int, min_tokens: int, val_
         need = math.ceil(min_tokens * 100 / min(val_percent, 100 - val_percent))
         return ValueError(
             f"corpus file {source} is too small: {path.stat().st_size:,} bytes, {total:,} tokens, of which the "
-            f"{split} share ({'the last ' if split == 'val' else 'the first '}{val_percent if split == 'val' else 100 - val_percent:g}%) "
+            f"{split} share ({'the last ' if split == 'val' else 'the first '}"
+            f"{val_percent if split == 'val' else 100 - val_percent:g}%) "
             f"holds {n}, fewer than one sequence ({min_tokens} = seq_len + 1); it needs about {need:,} tokens "
             "at this --data.val-percent: give a longer file or lower --model.seq-len.")
     return ValueError(f"the {split} split of corpus {corpus.name!r} has {n} tokens, fewer than one "

@@ -412,5 +412,5 @@ def bytes_per_token(tokenizer: Tokenizer, tokens: np.ndarray) -> float | None:
     return n / ids.size if n else None
 
 
-__all__ = ["Tokenizer", "ByteTokenizer", "CharTokenizer", "BPETokenizer", "train_bpe", "load_tokenizer", "parse_bpe_spec",
-           "bytes_per_token", "TOKENIZER_FILE", "EOS"]
+__all__ = ["Tokenizer", "ByteTokenizer", "CharTokenizer", "BPETokenizer", "train_bpe", "load_tokenizer",
+           "parse_bpe_spec", "bytes_per_token", "TOKENIZER_FILE", "EOS"]
