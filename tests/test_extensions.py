@@ -121,3 +121,14 @@ def test_a_bad_import_names_the_flag(setting, monkeypatch):
     with pytest.raises(ValueError, match=r"^--import nothere: No module named 'nothere'; put its package on"):
         load_recipe().parse_flags(["--import", "nothere", "--out-dir", "x"])
     assert not (setting / "x").exists()
+
+
+def test_the_console_scripts_are_declared_and_importable():
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"eqgpt-train", "eqgpt-sample"}
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), name))
