@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--to", required=True, type=Path, help="output directory")
     ex.add_argument("--step", type=int, default=None, help="export this Orbax checkpoint step")
     ex.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN/checkpoints")
-    ex.add_argument("--format", choices=("auto", "gpt2", "llama", "mixtral"), default="auto", help="layout (default: the model's)")
+    ex.add_argument("--format", choices=("auto", "gpt2", "llama", "mixtral"), default="auto",
+                    help="layout (default: the model's)")
     ex.add_argument("--block", default=None, metavar="MODULE:NAME",
                     help="block factory that built the layers (default: the one the run recorded)")
     ex.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",

@@ -420,9 +420,11 @@ def check_files(files: SafetensorsFiles, c: GPTConfig, family: Family) -> str:
     if wrong:
         problems.append("wrong shapes: " + "; ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else ""))
     if missing:
-        problems.append(f"{len(missing)} tensors missing: " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+        problems.append(f"{len(missing)} tensors missing: " + ", ".join(missing[:5])
+                        + (" ..." if len(missing) > 5 else ""))
     if extra:
-        problems.append(f"{len(extra)} unexpected tensors: " + ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""))
+        problems.append(f"{len(extra)} unexpected tensors: " + ", ".join(extra[:5])
+                        + (" ..." if len(extra) > 5 else ""))
     if problems:
         raise ValueError(f"the weights in {files.directory} do not fit its {CONFIG_FILE} "
                          f"({family}, {c.num_layers} layers x {c.embed_dim} wide, vocab {c.vocab_size}): "

@@ -20,6 +20,7 @@ __all__ = [
     "MoE", "Experts", "MoEStats", "moe_loss",
     "LayerNorm", "RMSNorm", "Mask", "CausalMask", "DocumentMask", "FullMask",
     "SlidingWindowMask", "make_mask", "apply_rope", "make_block", "lm_loss",
-    "chunked_cross_entropy", "chunked_loss_sums", "head_loss_sums", "logical_axes", "map_constraints", "LogicalAxes", "NoConstraint",
+    "chunked_cross_entropy", "chunked_loss_sums", "head_loss_sums", "logical_axes", "map_constraints", "LogicalAxes",
+    "NoConstraint",
     "REGION_INPUT", "register_block", "get_block", "block_names",
 ]

@@ -88,9 +88,12 @@ class Attention(eqx.Module):
         kq, kk, kv, ko = jax.random.split(key, 4)
         out_std = init_std if out_init_std is None else out_init_std
         kv_dim = num_kv_heads * head_dim
-        self.q_proj = Linear(embed_dim, embed_dim, axes=("embed", "heads"), use_bias=use_bias, init_std=init_std, key=kq)
-        self.k_proj = Linear(embed_dim, kv_dim, axes=("embed", "kv_heads"), use_bias=use_bias, init_std=init_std, key=kk)
-        self.v_proj = Linear(embed_dim, kv_dim, axes=("embed", "kv_heads"), use_bias=use_bias, init_std=init_std, key=kv)
+        self.q_proj = Linear(embed_dim, embed_dim, axes=("embed", "heads"),
+                             use_bias=use_bias, init_std=init_std, key=kq)
+        self.k_proj = Linear(embed_dim, kv_dim, axes=("embed", "kv_heads"),
+                             use_bias=use_bias, init_std=init_std, key=kk)
+        self.v_proj = Linear(embed_dim, kv_dim, axes=("embed", "kv_heads"),
+                             use_bias=use_bias, init_std=init_std, key=kv)
         self.o_proj = Linear(embed_dim, embed_dim, axes=("heads", "embed"), use_bias=use_bias, init_std=out_std, key=ko)
         self.mask = CausalMask() if mask is None else mask
         self.shard = NoConstraint()

@@ -12,9 +12,10 @@ Two ways to compute:
 - **capacity** (default): each expert has `C = ceil(capacity_factor * seq * top_k /
   num_experts)` slots per sequence. Assignments are served in order of choice rank
   (every token's first choice before any second choice), then of position in the
-  sequence (the `positions` given, which a context-parallel layout permutes); those past an expert's `C` slots are dropped, and the token keeps only
-  its residual (plus the other experts it got). Tokens are scattered into a dense
-  `[experts, batch, C, embed]` tensor, computed, and gathered back.
+  sequence (the `positions` given, which a context-parallel layout permutes); those past an
+  expert's `C` slots are dropped, and the token keeps only its residual (plus the other
+  experts it got). Tokens are scattered into a dense `[experts, batch, C, embed]` tensor,
+  computed, and gathered back.
 - **dropless**: every assignment is computed. Assignments are sorted by expert and
   each expert runs one matmul over its rows (a grouped matmul, `eqgpt.nn.kernels.grouped`).
 
@@ -115,7 +116,8 @@ class LocalExperts(eqx.Module):
     layout: tuple = eqx.field(static=True, default=("expert", "batch", None, "embed"))
     grouped: bool = eqx.field(static=True, default=True)  # dropless may use the grouped matmul
 
-    def __call__(self, experts: eqx.Module, x: Float[Array, "experts batch slots embed"]):  # `Experts`, or a parallel form
+    # `experts`: an `Experts`, or a parallel form
+    def __call__(self, experts: eqx.Module, x: Float[Array, "experts batch slots embed"]):
         return experts(x)
 
 
@@ -248,7 +250,8 @@ class MoE(eqx.Module):
                                   out_init_std=out_init_std, key=ks) if num_shared else None)
         self.dispatch = LocalExperts()
         self.shard = NoConstraint()
-        self.top_k, self.capacity_factor, self.dropless, self.renormalize = top_k, capacity_factor, dropless, renormalize
+        self.top_k, self.capacity_factor, self.dropless, self.renormalize = (
+            top_k, capacity_factor, dropless, renormalize)
 
     @property
     def num_experts(self) -> int:

@@ -4,13 +4,16 @@
 fit?" from shapes alone: it builds the model with `jax.eval_shape` (no arrays),
 asks the strategy's rule set how each weight is split, and counts bytes.
 
-| part | how it is counted |
-| --- | --- |
-| `params` | every weight's per-device shard (`param_specs` of the strategy's rules), in `policy.param_dtype` |
-| `opt_state` | AdamW's two moments per parameter, fp32, laid out like the parameters or, under ZeRO, split over `data` as well; plus fp32 master weights when the policy keeps them |
-| `batch` | the step's token and target rows on one device (int32) |
-| `grads` | the gradient buffers the step holds before it reduces and applies them |
-| `activations` | what the backward pass keeps per layer (saved residuals) for the tokens one device holds at once, plus one layer's and the loss's working set |
+How each part is counted:
+
+- `params`: every weight's per-device shard (`param_specs` of the strategy's rules), in
+  `policy.param_dtype`.
+- `opt_state`: AdamW's two moments per parameter, fp32, laid out like the parameters or,
+  under ZeRO, split over `data` as well; plus fp32 master weights when the policy keeps them.
+- `batch`: the step's token and target rows on one device (int32).
+- `grads`: the gradient buffers the step holds before it reduces and applies them.
+- `activations`: what the backward pass keeps per layer (saved residuals) for the tokens one
+  device holds at once, plus one layer's and the loss's working set.
 
 `params + opt_state + batch` is exact (it follows from the shardings alone) and is
 compared with the compiled step's `argument_bytes`. `grads + activations` is a

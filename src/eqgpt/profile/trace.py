@@ -54,7 +54,8 @@ def trace(log_dir: str | Path, *, perfetto: bool = True, python: bool = False) -
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(log_dir), create_perfetto_trace=perfetto, profiler_options=profiler_options(python=python)):
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=perfetto,
+                            profiler_options=profiler_options(python=python)):
         yield log_dir
 
 
@@ -390,7 +391,8 @@ def op_table(path: str | Path, *, hlo_text=None, scopes: tuple[str, ...] | None 
         count[key] += 1
     grand = sum(total.values()) or 1.0
     table = Table(title=f"device time by {'scope' if scopes else 'op'} (per step, all threads)")
-    for col in ("scope" if scopes else "op", "ms", "share", "calls (all devices)") + (() if scopes or not names else ("JAX name",)):
+    for col in (("scope" if scopes else "op", "ms", "share", "calls (all devices)")
+                + (() if scopes or not names else ("JAX name",))):
         table.add_column(col, justify="left" if col in ("op", "scope", "JAX name") else "right")
     for key, ns in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         row = [key, f"{ns / n / 1e6:.2f}", f"{ns / grand:.1%}", f"{count[key] / n:g}"]
@@ -528,6 +530,7 @@ def plot_timeline(path: str | Path, out: str | Path, *, step: int | None = None,
 __all__ = [
     "CATEGORIES", "STEP_NAME", "OpEvent", "ProfileWindow", "StepBreakdown", "StepEvent", "breakdown_table",
     "category_of", "category_table", "collective_kind",
-    "load_events", "op_names", "op_table", "parse_steps", "plot_timeline", "profiler_options", "save_memory_profile", "scope_of",
+    "load_events", "op_names", "op_table", "parse_steps", "plot_timeline", "profiler_options", "save_memory_profile",
+    "scope_of",
     "step_annotation", "step_breakdown", "trace", "trace_files",
 ]

@@ -231,7 +231,8 @@ def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
             else:
                 out.extend(_differences(saved[k], current[k], name + "."))
         return out
-    return [] if saved == current else [f"{prefix[:-1] or 'config'}: {saved!r} in the checkpoint, {current!r} in this run"]
+    return ([] if saved == current
+            else [f"{prefix[:-1] or 'config'}: {saved!r} in the checkpoint, {current!r} in this run"])
 
 
 # --- multi-process agreement ---------------------------------------------------------------------

@@ -126,7 +126,8 @@ def make_train_step(
         old_opt = strategy.fetch_opt_state(state.opt_state)  # from host memory if offloaded
         new_params, new_opt = update(grads, old_opt, params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        model = strategy.stash_params(eqx.combine(keep(new_params, params), eqx.filter(model_in, eqx.is_array, inverse=True)))
+        model = strategy.stash_params(
+            eqx.combine(keep(new_params, params), eqx.filter(model_in, eqx.is_array, inverse=True)))
         opt_state = strategy.stash_opt_state(keep(new_opt, old_opt))
         skipped = (~finite).astype(jnp.int32)
         loss_scale = None if state.loss_scale is None else state.loss_scale.adjust(finite)

@@ -273,7 +273,8 @@ class Trainer:
                     else:
                         self.state, metrics = self.step_fn(self.state, batch)
                     if pending is not None:  # read the previous step's loss while this one runs
-                        mark_step, mark_time = self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
+                        mark_step, mark_time = self._report(pending, mark_step, mark_time, tokens_per_step,
+                                                            bar, t_begin)
                         pending = None
                     if self.guard.active:  # read now, the same values in every process
                         loss, skipped = jax.device_get((metrics["loss"], metrics["skipped"]))
