@@ -4,11 +4,12 @@ A model has a gradient array per parameter, and data parallelism sums each over
 the data axes. Written one per array, a step issues as many all-reduces as the
 model has arrays (a GPT block has 16, norms and biases among them), and each pays
 the collective's fixed latency, however few its bytes. Bucketing (PyTorch DDP's
-`bucket_cap_mb`) flattens the arrays that reduce over the same axes, in order
-(inside `shard_map`, those also varying over the same axes: a tensor-parallel
-shard and a replicated norm scale are kept apart), into fp32 buffers of at most `bucket_bytes`, and reduces each buffer with one
-all-reduce; the results are split back. The bytes on the wire are unchanged
-(`2 (n-1)/n` of the fp32 gradient bytes); the count drops to the number of buckets.
+`bucket_cap_mb`) flattens the arrays that reduce over the same axes, in order (inside
+`shard_map`, those also varying over the same axes: a tensor-parallel shard and a
+replicated norm scale are kept apart), into fp32 buffers of at most `bucket_bytes`, and
+reduces each buffer with one all-reduce; the results are split back. The bytes on the
+wire are unchanged (`2 (n-1)/n` of the fp32 gradient bytes); the count drops to the
+number of buckets.
 
 The trade-off: a bucket's all-reduce can start only when all its arrays'
 gradients exist, so one huge bucket waits for the whole backward pass and hides

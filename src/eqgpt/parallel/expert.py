@@ -147,7 +147,8 @@ class Expert(Part):
     that axis is > 1 (`implied`); `Expert("gspmd")` chooses the other implementation."""
 
     impl: Literal["alltoall", "gspmd"] = "alltoall"
-    """MoE experts over the mesh's 'expert' axis: 'alltoall' (default: explicit dispatch and combine) or 'gspmd' (the partitioner moves the tokens); see docs/parallelism/expert.md."""
+    ("MoE experts over the mesh's 'expert' axis: 'alltoall' (default: explicit dispatch and combine) or 'gspmd' (the "
+     "partitioner moves the tokens); see docs/parallelism/expert.md.")
 
     name = "expert"
     order = 30

@@ -429,7 +429,8 @@ def _is_vocab_embedding(m) -> bool:
 
 _WHAT = {"heads": "attention width (heads)", "kv_heads": "kv width (kv heads)", "mlp": "MLP width",
          "vocab": "vocabulary"}
-_FIX = {"mlp": "choose mlp_dim (hidden width) divisible by {size}", "vocab": "set vocab_pad_multiple to a multiple of {size}"}
+_FIX = {"mlp": "choose mlp_dim (hidden width) divisible by {size}",
+        "vocab": "set vocab_pad_multiple to a multiple of {size}"}
 
 
 def check_tensor_parallel(module: PyTree, size: int) -> None:
@@ -561,7 +562,8 @@ def tensor_parallel_specs(module: PyTree, mesh: Mesh, *, axis: str = "tensor") -
 
 __all__ = [
     "TENSOR_PARALLEL_NAMES", "REGION_INPUT", "copy_to_tensor", "reduce_from_tensor", "enter_region", "exit_region",
-    "TensorRegionHook", "TensorParallelExperts", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedKVLinear", "kv_replicated",
+    "TensorRegionHook", "TensorParallelExperts", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedKVLinear",
+    "kv_replicated",
     "VocabParallelEmbedding", "SequenceShardEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_loss_sums",
     "check_tensor_parallel", "tensor_parallel", "tensor_parallel_specs",
 ]

@@ -313,7 +313,8 @@ class Zero(Part):
     """
 
     stage: Literal[1, 2] = field(default=1, metadata={"cli": Literal[0, 1, 2]})
-    """ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also reduce-scatters gradients); see docs/parallelism/parameter-server.md."""
+    ("ZeRO stage: 1 or 2 splits the optimizer state over the mesh's 'data' axis, parameters stay replicated (2 also "
+     "reduce-scatters gradients); see docs/parallelism/parameter-server.md.")
 
     order = 40
     switch = "stage"
@@ -350,5 +351,5 @@ class Zero(Part):
         return f"zero{self.stage}"
 
 
-__all__ = ["Zero", "ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update", "manual_zero_grad_fn",
-           "block_norm"]
+__all__ = ["Zero", "ZeroPlacement", "check_zero", "zero_dim", "zero_spec", "zero_specs", "zero_update",
+           "manual_zero_grad_fn", "block_norm"]

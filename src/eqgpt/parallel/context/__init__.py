@@ -48,7 +48,8 @@ from eqgpt.parallel.context.ulysses import (
 __all__ = [
     "ContextKernel", "Context", "IMPLS", "use_context_attention", "strip_context_attention",
     "context_kernels", "ring_attention", "ring_attention_with_lse", "shard_may_attend",
-    "allgather_attention", "ulysses_attention", "ulysses_bytes", "kv_replication", "reads_positions", "ORDERINGS", "check_layout", "layout_positions", "device_positions",
+    "allgather_attention", "ulysses_attention", "ulysses_bytes", "kv_replication", "reads_positions", "ORDERINGS",
+    "check_layout", "layout_positions", "device_positions",
     "to_layout", "from_layout", "layout_batch", "CP", "context_rules",
     "sharded_cross_entropy", "context_loss_fn", "block_counts", "step_counts",
     "balance_table",

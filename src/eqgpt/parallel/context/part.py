@@ -35,7 +35,8 @@ class Context(Part):
     """
 
     impl: Impl = "ring"
-    """Split the sequence over the mesh's 'context' axis (zigzag order) with ring, all-gather or Ulysses (all-to-all; heads divisible by context) attention."""
+    ("Split the sequence over the mesh's 'context' axis (zigzag order) with ring, all-gather or Ulysses (all-to-all; "
+     "heads divisible by context) attention.")
     ordering: Literal["zigzag", "contiguous"] = "zigzag"
     """Order of the sequence over the context devices (zigzag balances causal work)."""
     block: int = 128

@@ -168,4 +168,5 @@ def balance_table(model: Any, microbatch: tuple[int, int], num_virtual_stages: i
     return "\n".join(rows)
 
 
-__all__ = ["StageCosts", "balance_table", "equal_layers", "check_layers", "balanced_layers", "measure_costs", "stage_flops"]
+__all__ = ["StageCosts", "balance_table", "equal_layers", "check_layers", "balanced_layers", "measure_costs",
+           "stage_flops"]

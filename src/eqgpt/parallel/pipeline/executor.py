@@ -337,7 +337,8 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
                block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None,
                moe: MoEConfig | None = None, moe_layers: int = 0, padded: bool = False,
                bucket_bytes: int | None = None):
-    """The `shard_map`ped step `(staged blocks, slots, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
+    """The `shard_map`ped step
+    `(staged blocks, slots, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
 
     `slots` (`stage_slots`, placed like the blocks) says which layer slots of each
     chunk hold a layer; with `padded` the others are skipped (uneven `layers_per_stage`).
@@ -513,7 +514,8 @@ def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: 
     batch_spec = PartitionSpec(ROW_AXES, *seq_axes)
     return jax.shard_map(
         step, mesh=mesh,
-        in_specs=(block_specs, PartitionSpec(PIPELINE), rest_specs, batch_spec, PartitionSpec(*seq_axes), PartitionSpec()),
+        in_specs=(block_specs, PartitionSpec(PIPELINE), rest_specs, batch_spec, PartitionSpec(*seq_axes),
+                  PartitionSpec()),
         out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(manual),
     )
 
@@ -624,7 +626,8 @@ class PipelineGradFn:
         return stats.temp_size_in_bytes
 
     def report(self, model=None, batch: Batch | None = None) -> str:
-        """The bubble of the schedule, and with `model` and `batch` the layers per stage and the compiled temp memory."""
+        """The bubble of the schedule, and with `model` and `batch` the layers per stage and the compiled
+        temp memory."""
         line = bubble_report(self.schedule)
         if model is not None and batch is not None:
             line += f"; layers per virtual stage {self.split(model, batch.tokens.shape)}"
@@ -638,7 +641,8 @@ class PipelineGradFn:
         return batch_shape[0] // rows, batch_shape[1] // ctx
 
     def split(self, model, batch_shape: tuple[int, int]) -> tuple[int, ...]:
-        """The layers of each virtual stage for `model` on a global batch `batch_shape` (`layers_per_stage` resolved)."""
+        """The layers of each virtual stage for `model` on a global batch `batch_shape`
+        (`layers_per_stage` resolved)."""
         L, G = num_layers(model), self.schedule.num_virtual_stages
         if not isinstance(self.layers_per_stage, str):
             return self.layers_per_stage
