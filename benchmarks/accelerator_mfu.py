@@ -48,7 +48,8 @@ def measure(cfg: eqgpt.GPTConfig, *, batch: int, precision: str = "bf16", steps:
     state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=jax.random.key(1),
                        loss_scale=policy.loss_scale_state())
     step = make_train_step(optimizer, grad_fn=strategy.grad_fn(policy, chunk_size=loss_chunk)) \
-        if loss_chunk != 128 and not policy.loss_scaling else make_train_step(optimizer, strategy=strategy, policy=policy)
+        if loss_chunk != 128 and not policy.loss_scaling \
+        else make_train_step(optimizer, strategy=strategy, policy=policy)
     rng = np.random.default_rng(0)
     batches = [strategy.batch(Batch.from_windows(
         rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1)).astype(np.int32))) for _ in range(2)]
@@ -87,7 +88,8 @@ def measure(cfg: eqgpt.GPTConfig, *, batch: int, precision: str = "bf16", steps:
     return {"seconds": seconds, "tokens_per_s": tokens / seconds, "flops": achieved, "peak": peak,
             "peak_source": source, "mfu": achieved / peak, "peak_bytes": stats.get("peak_bytes_in_use"),
             "compiled_bytes": report.peak_bytes,
-            "loss": float(metrics["loss"]), "params": sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))),
+            "loss": float(metrics["loss"]),
+            "params": sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))),
             "breakdown": table}
 
 
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
     r = measure(cfg, batch=args.batch, precision=args.precision, steps=args.steps, warmup=args.warmup,
                 mu_dtype=args.mu_dtype, master_weights=args.master_weights, breakdown=args.breakdown)
     print(f"{args.preset} ({r['params'] / 1e6:.0f}M params), batch {args.batch} x {cfg.seq_len}, {args.precision} "
-          f"compute, {args.kernel} attention, remat {cfg.remat}, layers {'scanned' if cfg.scan_layers else 'unrolled'}; {device.device_kind}; jax {jax.__version__}; "
+          f"compute, {args.kernel} attention, remat {cfg.remat}, "
+          f"layers {'scanned' if cfg.scan_layers else 'unrolled'}; {device.device_kind}; jax {jax.__version__}; "
           f"median of {args.steps} steps")
     gib = lambda b: "n/a (this backend keeps no statistics)" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
     rows = [("step time", f"{r['seconds'] * 1e3:.1f} ms"), ("tokens/s", f"{r['tokens_per_s']:,.0f}"),

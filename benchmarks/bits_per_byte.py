@@ -48,7 +48,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(t, args.steps, Path(tmp) / "runs", Path(tmp) / "cache") for t in args.tokenizers]
     print(f"\n{args.steps} steps of nano (batch 32 x 128 tokens) on the stdlib corpus")
-    print("| tokenizer | vocab | tokenizer train + tokenize (s) | bytes/token | val nats/token | val bits/byte | run (s) |")
+    print("| tokenizer | vocab | tokenizer train + tokenize (s) | bytes/token | val nats/token | val bits/byte "
+          "| run (s) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(f"| {r['tokenizer']} | {r['vocab']} | {r['prep_s']:.1f} | {r['bytes_per_token']:.2f} | "

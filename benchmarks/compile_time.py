@@ -147,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise ValueError(f"--cases: unknown {unknown}; choose from {list(CASES)}")
 
-    print(f"{args.preset}, vocab {args.vocab}, batch {args.batch}{f', seq {args.seq}' if args.seq else ''}: seconds from the first JAX "
+    print(f"{args.preset}, vocab {args.vocab}, batch {args.batch}{f', seq {args.seq}' if args.seq else ''}: "
+          "seconds from the first JAX "
           f"call to a compiled step (load average {os.getloadavg()[0]:.1f})")
-    head = f"{'case':<16} {'layers':>6} {'construct':>9} {'init':>6} {'trace':>6} {'lower':>6} {'compile':>7} {'ready':>6}"
+    head = (f"{'case':<16} {'layers':>6} {'construct':>9} {'init':>6} {'trace':>6} {'lower':>6} {'compile':>7} "
+            f"{'ready':>6}")
     print(head + ("  start" if args.cache else ""))
     for name in args.cases:
         case = CASES[name]._replace(scan=False) if args.unrolled else CASES[name]

@@ -152,7 +152,8 @@ def floor(size: tuple[int, ...], repeats: int, torch=None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="issue,nano", help="comma-separated names of benchmarks/vs_pytorch.py's sizes")
-    p.add_argument("--size", type=int, nargs=6, default=None, metavar=("LAYERS", "HEADS", "EMBED", "SEQ", "BATCH", "VOCAB"),
+    p.add_argument("--size", type=int, nargs=6, default=None,
+                   metavar=("LAYERS", "HEADS", "EMBED", "SEQ", "BATCH", "VOCAB"),
                    help="one size of your own instead of --sizes")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--no-torch", action="store_true", help="the XLA column only")

@@ -2,12 +2,13 @@
 
 For each strategy, compiles the library's train step twice, off and on, where "on" is
 `overlap=True` on the automatic path, gradient buckets (`bucket_mb`) on the manual path,
-and collective matmul too under manual SP (`CASES`), and prints: collectives per step (ops and executions) and their bytes per
-device (`eqgpt.profile.collectives`); the share of those bytes with compute beside them
-to hide behind (`eqgpt.profile.schedule`: structurally, and with enough of it at a
-nominal link of `--bandwidth` bytes/s and `--peak` FLOP/s); and the measured step time
-(median of `--steps`), and XLA's temporary memory per device. On CPU, XLA runs every collective synchronously and ignores the
-GPU flags, so times show the cost of the changed program, not hidden communication.
+and collective matmul too under manual SP (`CASES`), and prints: collectives per step
+(ops and executions) and their bytes per device (`eqgpt.profile.collectives`); the share
+of those bytes with compute beside them to hide behind (`eqgpt.profile.schedule`:
+structurally, and with enough of it at a nominal link of `--bandwidth` bytes/s and
+`--peak` FLOP/s); and the measured step time (median of `--steps`), and XLA's temporary
+memory per device. On CPU, XLA runs every collective synchronously and ignores the GPU
+flags, so times show the cost of the changed program, not hidden communication.
 Run: `python benchmarks/overlap.py` (8 simulated CPU devices unless a GPU is present).
 """
 

@@ -183,8 +183,9 @@ def worker(args) -> None:
 
 
 def measure(which: str, size: str, args, cache_dir: str) -> tuple[float, float]:
-    cmd = [sys.executable, __file__, "--worker", which, "--size", size, "--steps", str(args.steps),
-           "--cache-dir", cache_dir] + (["--sdpa"] if args.sdpa else []) + (["--scan-layers"] if args.scan_layers else [])
+    cmd = ([sys.executable, __file__, "--worker", which, "--size", size, "--steps", str(args.steps),
+            "--cache-dir", cache_dir] + (["--sdpa"] if args.sdpa else [])
+           + (["--scan-layers"] if args.scan_layers else []))
     env = dict(os.environ)
     if args.glibc_tunables:  # the same allocator settings for both frameworks (docs/profiling.md, "Page faults")
         env["GLIBC_TUNABLES"] = GLIBC_MALLOC_TUNABLES
@@ -221,7 +222,8 @@ def main():
     if unknown:
         p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     print(f"PyTorch {torch.__version__} ({torch.get_num_threads()} threads), attention "
-          f"{'SDPA' if args.sdpa else 'written out'}; eqgpt layers {'scanned' if args.scan_layers else 'unrolled'}; {args.pairs} alternating pairs, median of {args.steps} steps "
+          f"{'SDPA' if args.sdpa else 'written out'}; eqgpt layers {'scanned' if args.scan_layers else 'unrolled'}; "
+          f"{args.pairs} alternating pairs, median of {args.steps} steps "
           f"each; load average {os.getloadavg()[0]:.1f}; GLIBC_TUNABLES {'set' if args.glibc_tunables else 'unset'}")
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:  # eqgpt compiles once per size, then reads the cache

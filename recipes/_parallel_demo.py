@@ -51,7 +51,8 @@ def train(strategy: Strategy, *, config: eqgpt.GPTConfig | None = None, steps: i
     config = config or eqgpt.preset("nano", seq_len=SEQ)
     print(repr(strategy))
     make = lambda k: nn.GPT(config, key=k)  # noqa: E731
-    strategy.check(jax.eval_shape(make, jax.random.key(0)), batch_size=batch, seq_len=config.seq_len)  # before compiling
+    # before compiling
+    strategy.check(jax.eval_shape(make, jax.random.key(0)), batch_size=batch, seq_len=config.seq_len)
     model = strategy.init_model(make, jax.random.key(0))
     if strategy.rules.uses("params", strategy.mesh) and all(p.automatic and not p.runs_layers for p in strategy.parts):
         frac = par.check_replication(model, strategy.mesh, strategy.rules, 0.05, strategy.overrides)

@@ -35,7 +35,8 @@ class Args:
     seq_len: int = 1024
     """Tokens per sequence; zigzag needs a multiple of 2 * context."""
     context: Literal["ring", "allgather", "ulysses"] = "ring"
-    """ring: k/v shards rotate (memory 1/n); allgather: k/v gathered once (fewer, larger messages); ulysses: all-to-all to head-sharded (heads divisible by context)."""
+    ("ring: k/v shards rotate (memory 1/n); allgather: k/v gathered once (fewer, larger messages); ulysses: "
+     "all-to-all to head-sharded (heads divisible by context).")
     ordering: Literal["zigzag", "contiguous"] = "zigzag"
     """Sequence layout over the context axis (zigzag balances causal work)."""
     strategy: str = "dp"

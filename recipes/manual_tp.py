@@ -40,7 +40,8 @@ class Args:
 def main(args: Args) -> list[float]:
     mesh = make_mesh(args.mesh)
     rules = ("dp+" if mesh.shape["data"] > 1 else "") + ("sp" if args.sp else "tp")
-    return train(Strategy(mesh, rules, parts=(Manual(),)), config=eqgpt.preset(args.preset, seq_len=64), steps=args.steps)
+    return train(Strategy(mesh, rules, parts=(Manual(),)), config=eqgpt.preset(args.preset, seq_len=64),
+                 steps=args.steps)
 
 
 if __name__ == "__main__":

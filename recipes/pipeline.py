@@ -50,7 +50,8 @@ def main(args: Args) -> list[float]:
     schedule = pipeline_schedule(strategy.mesh, strategy.part(Pipeline))
     print(schedule.table())
     print(bubble_report(schedule))
-    return train(strategy, config=config, steps=args.steps, batch=args.microbatches * args.rows * strategy.batch_divisor)
+    return train(strategy, config=config, steps=args.steps,
+                 batch=args.microbatches * args.rows * strategy.batch_divisor)
 
 
 if __name__ == "__main__":
