@@ -16,7 +16,8 @@ from filelock import FileLock
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TINY = ["--model.num-layers", "2", "--model.num-heads", "2", "--model.embed-dim", "32", "--model.seq-len", "32",
         "--batch-size", "8", "--log-every", "1", "--eval-windows", "4", "--eval-every", "5", "--sample-tokens", "0",
-        "--no-progress", "--peak-flops", "1e12", "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
+        "--no-progress", "--peak-flops", "1e12", "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0",
+        "--optim.lr", "3e-3"]
 
 
 def load_recipe():

@@ -133,7 +133,8 @@ def import_chain(module: str, name: str) -> tuple[list[tuple[str, str]], bool]:
     chain = [(module, name)]
     while True:
         info = module_definitions(chain[-1][0]).get(chain[-1][1])
-        assert info is not None, f"{chain[-1][0]}.{chain[-1][1]} (in {module}.__all__) is neither defined nor imported there"
+        assert info is not None, (f"{chain[-1][0]}.{chain[-1][1]} (in {module}.__all__) is neither defined nor "
+                                  "imported there")
         if info[0] == "def":
             return chain, info[1]
         if not info[1].startswith("eqgpt"):
@@ -186,7 +187,8 @@ def test_all_names_in_reference(module):
             where = " -> ".join(f"{m}.{n}" for m, n in chain)
             why = "" if has_doc else " (no docstring: needs show_if_no_docstring or an explicit members list)"
             missing.append(f"{where}{why}")
-    assert not missing, f"{module}.__all__ names the API reference (docs/api/*.md) does not render:\n" + "\n".join(missing)
+    assert not missing, (f"{module}.__all__ names the API reference (docs/api/*.md) does not render:\n"
+                         + "\n".join(missing))
 
 
 def test_every_public_module_documented():
@@ -217,6 +219,7 @@ def test_site_builds_strict(tmp_path):
     page in the nav or a docstring mkdocstrings cannot render fails here, in CI. (Not --quiet: it
     drops the warnings before --strict counts them, and a broken link passed.)"""
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "api" / "data" / "index.html").read_text().count("make_loader") > 0

@@ -62,11 +62,13 @@ def test_pipeline_balance_prints_equal_and_balanced_stages(capsys):
 
 
 def test_compile_time_prints_each_phase_of_a_cold_and_a_warm_start(tmp_path, capsys):
-    args = ["--preset", "nano", "--vocab", "256", "--seq", "32", "--layers", "2", "--cases", "1 device", "--cache", str(tmp_path)]
+    args = ["--preset", "nano", "--vocab", "256", "--seq", "32", "--layers", "2", "--cases", "1 device",
+            "--cache", str(tmp_path)]
     assert load("compile_time").main(args) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("1 device")]
     assert [r[-1] for r in rows] == ["cold", "warm"]
-    (cold, warm) = [dict(zip(["construct", "init", "trace", "lower", "compile", "ready"], map(float, r[3:9]), strict=True))
+    (cold, warm) = [dict(zip(["construct", "init", "trace", "lower", "compile", "ready"], map(float, r[3:9]),
+                             strict=True))
                     for r in rows]
     for r in (cold, warm):  # the phases add up to the time to a compiled step
         assert abs(sum(v for k, v in r.items() if k != "ready") - r["ready"]) < 0.05, r

@@ -197,14 +197,16 @@ def test_every_checkpoint_damaged(tmp_path):
     with Checkpointer(tmp_path, async_save=False) as ck:
         ck.save(1, state)
     os.remove(tmp_path / "1" / "meta" / "metadata")
-    with pytest.raises(CorruptCheckpointError, match=r"no usable checkpoint .*checkpoint 1: DamagedFileError: file .*meta/metadata is missing"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"no usable checkpoint .*checkpoint 1: DamagedFileError: file .*meta/metadata is missing"):
         Checkpointer(tmp_path).restore(state)
 
 
 def test_different_model_config_is_named(saved):
     directory, state, config = saved
     other = {**config, "model": TINY.replace(num_layers=3), "train": {"lr": 5.0}}  # train may change
-    with pytest.raises(IncompatibleCheckpointError, match=r"checkpoint 20 .*model\.num_layers: 2 in the checkpoint, 3 in this run"):
+    with pytest.raises(IncompatibleCheckpointError,
+                       match=r"checkpoint 20 .*model\.num_layers: 2 in the checkpoint, 3 in this run"):
         Checkpointer(directory, config=other).restore(state)
 
 
@@ -226,7 +228,8 @@ def test_different_state_layout_is_named(saved):
 
     wider = abstract(TINY.replace(mlp_dim=64), OPT)
     with pytest.raises(IncompatibleCheckpointError,
-                       match=r"model\.blocks\.mlp\.up\.weight: \(2, 32, 128\) float32 in the checkpoint, \(2, 32, 64\)"):
+                       match=r"model\.blocks\.mlp\.up\.weight: \(2, 32, 128\) float32 in the checkpoint, "
+                             r"\(2, 32, 64\)"):
         Checkpointer(directory).restore(wider)  # no config given: the arrays tell
     sgd = abstract(TINY, optax.sgd(0.1))
     with pytest.raises(IncompatibleCheckpointError, match=r"the checkpoint has arrays this run lacks: opt_state"):

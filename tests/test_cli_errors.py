@@ -93,5 +93,6 @@ def test_library_messages_get_the_flags_they_are_about():
 
     args = ["--steps", "3", "--model.remat", "bogus", "--microbatches=0", "--no-progress"]
     assert one_line(ValueError("Unknown remat 'bogus'."), args) == "error: --model.remat bogus: Unknown remat 'bogus'."
-    assert one_line(ValueError("microbatches must be\n >= 1"), args) == "error: --microbatches 0: microbatches must be >= 1"
+    assert (one_line(ValueError("microbatches must be\n >= 1"), args)
+            == "error: --microbatches 0: microbatches must be >= 1")
     assert one_line(ValueError("--steps 3 is too few"), args) == "error: --steps 3 is too few"  # names its flag already

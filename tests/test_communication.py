@@ -185,7 +185,8 @@ def test_bucket_report_counts_what_the_compiled_sequence_parallel_step_reduces()
     before = sum(len(_grad_all_reduces(plain, g)) for g in groups)
     after = sum(len(_grad_all_reduces(bucketed, g)) for g in groups)
     strategy = par.Strategy(mesh, "dp+sp", parts=(par.Manual(collective_matmul=True, bucket_mb=0.01),))
-    assert bucket_report(strategy, model) == f"gradient all-reduces per step: {before} -> {after} (buckets of at most 0.01 MiB)"
+    assert bucket_report(strategy, model) == (f"gradient all-reduces per step: {before} -> {after} "
+                                              "(buckets of at most 0.01 MiB)")
     assert after < before
     assert [sum(map(_size, _grad_all_reduces(bucketed, g))) for g in groups] == \
         [sum(map(_size, _grad_all_reduces(plain, g))) for g in groups]

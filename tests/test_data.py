@@ -69,7 +69,8 @@ def test_loader_is_a_function_of_seed_and_step(tmp_path):
     assert np.array_equal(a.local_windows(7), b.local_windows(7))  # same (seed, step)
     assert np.array_equal(a.local_windows(7), a.local_windows(7))  # no hidden state
     assert not np.array_equal(a.local_windows(7), a.local_windows(8))
-    assert not np.array_equal(a.local_windows(7), BatchLoader(tokens, batch_size=8, seq_len=16, seed=4).local_windows(7))
+    assert not np.array_equal(a.local_windows(7),
+                              BatchLoader(tokens, batch_size=8, seq_len=16, seed=4).local_windows(7))
     assert a.local_windows(0).shape == (8, 17)
     # Two processes each load half the rows; together they are the one-process batch.
     halves = [BatchLoader(tokens, batch_size=8, seq_len=16, seed=3, process_index=i, process_count=2).local_windows(7)

@@ -1,7 +1,8 @@
 """Faults, each injected: corrupt checkpoints, NaN batches and divergence, killed saves, a full disk.
 
 (Bad token ids are refused by `load_corpus`: tests/test_data.py::test_token_file_vocabulary_from_flag_sidecar_or_ids.
-A dead rank under `python -m eqgpt.launch`: tests/test_multiprocess.py::test_dead_rank_stops_the_job_and_resumes_on_fewer_devices;
+A dead rank under `python -m eqgpt.launch`:
+tests/test_multiprocess.py::test_dead_rank_stops_the_job_and_resumes_on_fewer_devices;
 corrupt files found by one process of two: tests/test_multiprocess.py::test_two_processes_match_one.)
 """
 
@@ -55,7 +56,8 @@ def test_corrupt_checkpoint_is_named_and_skipped_or_refused(tmp_path, kind, capl
     before = files_under(tmp_path)
 
     # --strict: refused, naming the step and the file; nothing changes on disk.
-    with pytest.raises(CorruptCheckpointError, match=rf"checkpoint 20 in .* is corrupt \(.*{damaged.name}.*\)\. Strict"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"checkpoint 20 in .* is corrupt \(.*{damaged.name}.*\)\. Strict"):
         Checkpointer(tmp_path).restore(state, strict=True)
     assert files_under(tmp_path) == before
 

@@ -175,7 +175,8 @@ def test_gradients_are_reduced_in_fp32_under_bf16_compute():
     host = batches(1)[0]
     x, y = host.tokens, host.targets
     batch = Strategy(mesh, "dp", parts=(Manual(),)).batch(host)
-    compiled = eqx.filter_jit(grad_fn).lower(place(model, mesh, tp.tensor_parallel_specs(model, mesh)), batch).compile(OPTIONS)
+    compiled = eqx.filter_jit(grad_fn).lower(place(model, mesh, tp.tensor_parallel_specs(model, mesh)),
+                                             batch).compile(OPTIONS)
     data_rows = [r for r in collectives(compiled, mesh) if r.axes == ("data",)]
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     assert all(s.startswith("f32") for r in data_rows for s in r.shapes)

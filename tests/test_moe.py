@@ -74,7 +74,8 @@ def test_moe_equals_dense_reading(kw):
     loss = lambda m, x_, f: jnp.sum(f(m, x_) * r)  # noqa: E731
     params, rest = eqx.partition(moe, eqx.is_inexact_array)
     gl = jax.grad(lambda p, x_: loss(eqx.combine(p, rest), x_, lambda m, v: m(v)), argnums=(0, 1))(params, x)
-    gr = jax.grad(lambda p, x_: loss(eqx.combine(p, rest), x_, lambda m, v: dense_reading(m, v, top_e)), argnums=(0, 1))(params, x)
+    gr = jax.grad(lambda p, x_: loss(eqx.combine(p, rest), x_, lambda m, v: dense_reading(m, v, top_e)),
+                  argnums=(0, 1))(params, x)
     # Gradients reach ~20 here: fp32 sums of that size round at ~1e-6, whatever the order XLA picks.
     assert_trees_close(gl, gr, rtol=1e-5, atol=5e-6)
 

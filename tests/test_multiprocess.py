@@ -104,7 +104,8 @@ def test_settings_order_explicit_env_cluster():
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"EQGPT_NUM_PROCESSES": "2", "EQGPT_PROCESS_ID": "2", "EQGPT_COORDINATOR": "h:1"}, r"process_id 2 .* outside 0\.\.1"),
+    ({"EQGPT_NUM_PROCESSES": "2", "EQGPT_PROCESS_ID": "2", "EQGPT_COORDINATOR": "h:1"},
+     r"process_id 2 .* outside 0\.\.1"),
     ({"EQGPT_NUM_PROCESSES": "2", "EQGPT_PROCESS_ID": "0"}, r"no coordinator address"),
     ({"EQGPT_NUM_PROCESSES": "two"}, r"num_processes from EQGPT_NUM_PROCESSES must be an integer"),
     ({"EQGPT_NUM_PROCESSES": "2", "EQGPT_PROCESS_ID": "1", "EQGPT_COORDINATOR": "h"}, r"must be host:port"),

@@ -120,7 +120,8 @@ ENTRY %main (p0: f32[8,16], p1: f32[16,32], p2: f32[4,32]) -> (f32[8,32], f32[32
   %p0 = f32[8,16]{1,0} parameter(0)
   %p1 = f32[16,32]{1,0} parameter(1)
   %p2 = f32[4,32]{1,0} parameter(2)
-  %ag = (f32[4,32]{1,0}, f32[32,32]{1,0}) all-gather-start(%p2), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %ag = (f32[4,32]{1,0}, f32[32,32]{1,0}) all-gather-start(%p2), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, \
+dimensions={0}
   %dot.1 = f32[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %agd = f32[32,32]{1,0} all-gather-done(%ag)
   %ar = f32[8,32]{1,0} all-reduce(%dot.1), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
@@ -156,7 +157,8 @@ def test_overlap_part_and_flags():
     assert par.overlap.set_overlap_flags() == par.overlap.overlap_flags_set()
     # Before it starts they are set, and XLA's CPU backend starts with them (it stops at an unknown flag).
     code = ("from eqgpt.parallel.overlap import OVERLAP_FLAGS, set_overlap_flags\n"
-            "import os, jax, jax.numpy as jnp\nassert set_overlap_flags()\nprint(jax.jit(lambda x: x + 1)(jnp.ones(2)))\n"
+            "import os, jax, jax.numpy as jnp\nassert set_overlap_flags()\n"
+            "print(jax.jit(lambda x: x + 1)(jnp.ones(2)))\n"
             "assert all(f in os.environ['XLA_FLAGS'] for f in OVERLAP_FLAGS)")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

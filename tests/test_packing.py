@@ -135,7 +135,8 @@ def test_packed_document_equals_alone_under_context_parallelism(impl):
             np.testing.assert_allclose(np.asarray(x), y, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("flags", [dict(pipeline="1f1b", microbatches=2), dict(manual=True)], ids=["pipeline", "manual"])
+@pytest.mark.parametrize("flags", [dict(pipeline="1f1b", microbatches=2), dict(manual=True)],
+                         ids=["pipeline", "manual"])
 def test_pipeline_and_manual_paths_refuse_per_row_positions(flags):
     from eqgpt.parallel import Strategy
 

@@ -181,7 +181,8 @@ HloModule step
   %p = (s32[], f32[1024]{0}) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %x = f32[1024]{0} get-tuple-element(%p), index=1
-  %ars = f32[1024]{0} all-reduce-start(f32[1024]{0} %x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  %ars = f32[1024]{0} all-reduce-start(f32[1024]{0} %x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, \
+use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
   %ard = f32[1024]{0} all-reduce-done(%ars)
   %one = s32[] constant(1)
   %j = s32[] add(%i, %one)
@@ -198,10 +199,12 @@ HloModule step
 ENTRY %main (x: f32[128], y: bf16[256]) -> f32[1024] {
   %x = f32[128]{0} parameter(0)
   %y = bf16[256]{0} parameter(1)
-  %ags = (f32[128]{0}, f32[1024]{0}) all-gather-start(%x), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  %ags = (f32[128]{0}, f32[1024]{0}) all-gather-start(%x), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, \
+use_global_device_ids=true
   %agd = f32[1024]{0} all-gather-done(%ags)
   %rs = bf16[128]{0} reduce-scatter(%y), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, to_apply=%add
-  %cps = (bf16[128]{0}, bf16[128]{0}, u32[], u32[]) collective-permute-start(%rs), channel_id=4, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+  %cps = (bf16[128]{0}, bf16[128]{0}, u32[], u32[]) collective-permute-start(%rs), channel_id=4, \
+source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
   %cpd = bf16[128]{0} collective-permute-done(%cps)
   %zero = s32[] constant(0)
   %init = (s32[], f32[1024]{0}) tuple(%zero, %agd)

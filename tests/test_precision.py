@@ -76,7 +76,8 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_continues():
     assert int(metrics["skipped"]) == 1 and int(after.skipped) == 1 and int(after.step) == 1
     assert float(after.loss_scale.scale) == pytest.approx(5e29)
     assert int(after.loss_scale.good_steps) == 0
-    for x, y in zip(jax.tree.leaves((after.model, after.opt_state)), jax.tree.leaves((bad.model, bad.opt_state)), strict=True):
+    for x, y in zip(jax.tree.leaves((after.model, after.opt_state)), jax.tree.leaves((bad.model, bad.opt_state)),
+                    strict=True):
         if eqx.is_array(x):
             np.testing.assert_array_equal(x, y)  # nothing updated
     # At the policy's scale the same step is finite and updates.

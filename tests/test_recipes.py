@@ -42,7 +42,8 @@ def test_train_then_sample(tmp_path, capsys):
     assert any("mfu" in r and "tokens_per_s" in r for r in rows)
     assert summary["steps"] == 6 and summary["val_loss"] < summary["first_val_loss"]
     assert summary["samples"][0].startswith("def ")
-    texts = load("sample").main(load("sample").SampleConfig(run_dir=out, prompt="def ", max_new_tokens=5, num_samples=1))
+    texts = load("sample").main(load("sample").SampleConfig(run_dir=out, prompt="def ", max_new_tokens=5,
+                                                            num_samples=1))
     assert len(texts) == 1 and texts[0].startswith("def ")
     assert "(1 x 5 tokens in " in capsys.readouterr().out  # the sampler reports its speed
 
@@ -55,7 +56,8 @@ def test_help_documents_options():
         assert flag in out.stdout
     assert "Peak learning rate" in out.stdout
     head = "\n".join(out.stdout.splitlines()[:12])  # the common flags and an example come first
-    for flag in ("--steps", "--batch-size", "--optim.lr", "--data.corpus", "--model.preset", "--out-dir", "Example: eqgpt-train"):
+    for flag in ("--steps", "--batch-size", "--optim.lr", "--data.corpus", "--model.preset", "--out-dir",
+                 "Example: eqgpt-train"):
         assert flag in head, flag
     assert out.stdout.index("╭─ parallel options") > out.stdout.index("╭─ optim options")
 
@@ -138,9 +140,9 @@ def test_nanogpt_folder_trains_with_its_vocabulary_and_samples_characters(tmp_pa
 
     folder, vocab, _, n_val = nanogpt_folder(tmp_path / "shakespeare_char")
     train, sample = load("train_gpt"), load("sample")
-    flags = ["--data.corpus", str(folder), "--model.num-layers", "1", "--model.embed-dim", "32", "--model.seq-len", "32",
-             "--steps", "3", "--batch-size", "4", "--eval-windows", "2", "--no-progress", "--peak-flops", "1e9",
-             "--sample-tokens", "8", "--sample-prompts", "Before ", "--out-dir"]
+    flags = ["--data.corpus", str(folder), "--model.num-layers", "1", "--model.embed-dim", "32",
+             "--model.seq-len", "32", "--steps", "3", "--batch-size", "4", "--eval-windows", "2", "--no-progress",
+             "--peak-flops", "1e9", "--sample-tokens", "8", "--sample-prompts", "Before ", "--out-dir"]
     with pytest.raises(ValueError, match=r"--sample-prompts 'Zq': 'Z', 'q' are not in the \d+-character"):
         train.main(train.parse_flags([*flags, str(tmp_path / "bad"), "--sample-prompts", "Zq"]))
     assert not (tmp_path / "bad").exists()

@@ -54,7 +54,8 @@ def test_moe_loss_matches_switch_definition(top_k):
     assert_within(rel(metrics["moe_router_z"], z), TOL)
     assert_within(rel(loss, 0.3 * balance + 0.07 * z), TOL)
     if top_k == 1:  # Switch's own definition: the fraction of tokens whose argmax is e
-        assert_within(rel(metrics["moe_balance"], np.mean([ref.load_balancing_loss(lg, 1, "top1") for lg in logits])), TOL)
+        assert_within(rel(metrics["moe_balance"], np.mean([ref.load_balancing_loss(lg, 1, "top1") for lg in logits])),
+                      TOL)
 
 
 def test_routing_matches_top_k_of_the_router():

@@ -69,7 +69,8 @@ def test_norms_with_an_eps_that_matters():
 @pytest.mark.parametrize("max_norm", [0.5, 100.0], ids=["clips", "passes"])
 def test_clip_by_global_norm(max_norm):
     keys = jax.random.split(jax.random.key(2), 3)
-    grads = {"a": jax.random.normal(keys[0], (4, 5)), "b": [jax.random.normal(keys[1], (7,)), jax.random.normal(keys[2], ())]}
+    grads = {"a": jax.random.normal(keys[0], (4, 5)),
+             "b": [jax.random.normal(keys[1], (7,)), jax.random.normal(keys[2], ())]}
     leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
     norm = np.sqrt(sum(np.sum(g**2) for g in leaves))
     want = [g * min(1.0, max_norm / norm) for g in leaves]

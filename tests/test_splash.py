@@ -74,7 +74,8 @@ def test_splash_equals_the_dense_definition_values_and_gradients(case, heads, kv
     (_, want), want_grads = jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     # fp32 at highest matmul precision: measured differences are <= 6e-7 of the largest value.
     for got, ref in ((out, want), *zip(grads, want_grads, strict=True)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "two-backward-kernels"])
@@ -149,7 +150,8 @@ def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules, parts):
 
     def grads(strategy):
         model = strategy.init_model(lambda key: GPT(cfg, key=key), jax.random.key(0))
-        (loss, _), g = eqx.filter_jit(strategy.grad_fn(model_like=model))(model, strategy.batch(Batch.from_windows(windows)))
+        (loss, _), g = eqx.filter_jit(strategy.grad_fn(model_like=model))(
+            model, strategy.batch(Batch.from_windows(windows)))
         return float(loss), [np.asarray(x) for x in jax.tree.leaves(g)]
 
     loss1, g1 = grads(Strategy())

@@ -30,8 +30,8 @@ from recipe_runs import RECIPES, load_recipe, run_dir, shared_dir, subprocess_co
 # (2 data-parallel devices x 4 microbatches x 2 rows). A constant learning rate, so
 # steps 4..6 resumed from a step-3 checkpoint continue any run of 5 or 6 steps.
 MODEL = ["--model.num-layers", "4", "--model.num-heads", "4", "--model.embed-dim", "32", "--model.seq-len", "32"]
-RUN = ["--peak-flops", "1e12", "--batch-size", "16", "--log-every", "1", "--eval-windows", "0", "--sample-tokens", "0", "--no-progress",
-       "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
+RUN = ["--peak-flops", "1e12", "--batch-size", "16", "--log-every", "1", "--eval-windows", "0", "--sample-tokens", "0",
+       "--no-progress", "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
 
 # The 1f1b pipeline runs its layers unevenly (3 on the first stage, 1 beside the head).
 STRATEGIES = {
@@ -142,7 +142,8 @@ def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path_fa
     np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
 
 
-@pytest.mark.parametrize("on", [pytest.param(on, marks=pytest.mark.xdist_group(off)) for on, off in COMMUNICATION.items()])
+@pytest.mark.parametrize("on", [pytest.param(on, marks=pytest.mark.xdist_group(off))
+                                for on, off in COMMUNICATION.items()])
 def test_collective_matmul_and_buckets_train_like_without_and_like_one_device(on, corpus, tmp_path_factory):
     losses, _ = trained(on, corpus, tmp_path_factory)
     np.testing.assert_allclose(losses, trained(COMMUNICATION[on], corpus, tmp_path_factory)[0], rtol=1e-5)
@@ -170,7 +171,8 @@ def test_zero_bubble_checkpoint_restores_on_one_device(corpus, tmp_path, tmp_pat
     ref = trained("single", corpus, tmp_path_factory)[0]
     _, saved_dir = trained("pipeline=4,data=2 zb1", corpus, tmp_path_factory)
     shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
-    resumed = run(corpus, tmp_path, "single", "--steps", "6", "--resume", cache=subprocess_compile_cache(tmp_path_factory))
+    resumed = run(corpus, tmp_path, "single", "--steps", "6", "--resume",
+                  cache=subprocess_compile_cache(tmp_path_factory))
     np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5)
 
 

@@ -144,7 +144,8 @@ def test_batch_is_the_shifted_windows_and_validation_pads_to_the_mesh():
 def test_bf16_policy_keeps_fp32_params_and_grads():
     model = GPT(TINY, key=jax.random.key(0))
     policy = Policy.named("bf16")
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(eqx.filter(policy.cast_to_compute(model), eqx.is_inexact_array)))
+    assert all(x.dtype == jnp.bfloat16
+               for x in jax.tree.leaves(eqx.filter(policy.cast_to_compute(model), eqx.is_inexact_array)))
     (loss, _), grads = eqx.filter_jit(Strategy().grad_fn(policy))(model, batch_of(0, rows=2))
     assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array)))

@@ -164,9 +164,11 @@ CATALOGUE: list[Mutation] = [
              "trigger = norm > max_norm",
              "tests/test_references_nn.py -k clip", "clipping applies below the limit, not above"),
     Mutation("loss-scale-not-undone", "precision.py",
-             "return jax.tree.map(lambda g: (g.astype(jnp.float32) / loss_scale).astype(g.dtype) if _is_float(g) else g, grads)",
+             "return jax.tree.map(lambda g: (g.astype(jnp.float32) / loss_scale).astype(g.dtype) if _is_float(g) "
+             "else g, grads)",
              "return jax.tree.map(lambda g: g.astype(jnp.float32).astype(g.dtype) if _is_float(g) else g, grads)",
-             "tests/test_precision.py -k 'fp16_tracks or loss_scaling_on'", "gradients stay multiplied by the loss scale"),
+             "tests/test_precision.py -k 'fp16_tracks or loss_scaling_on'",
+             "gradients stay multiplied by the loss scale"),
     Mutation("loss-scale-grows-on-overflow", "precision.py",
              "jnp.maximum(self.scale / self.factor, 1.0))",
              "jnp.maximum(self.scale * self.factor, 1.0))",
