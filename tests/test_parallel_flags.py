@@ -100,3 +100,18 @@ def test_parse_keywords_are_the_flags():
     assert Strategy.parse("data=8", "dp", manual=True, bucket_mb=1.0).parts == (Manual(bucket_mb=1.0),)
     with pytest.raises(TypeError, match="unknown parallelism flags"):
         Strategy.parse("data=8", "dp", manul=True)
+
+
+def test_the_recipe_logs_what_the_parts_say():
+    import jax
+
+    from eqgpt import preset
+    from eqgpt.nn import GPT
+
+    model = jax.eval_shape(lambda: GPT(preset("nano", num_layers=4, embed_dim=32, num_heads=2), key=jax.random.key(0)))
+    pipeline = Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)
+    (note,) = pipeline.notes(model, (16, 32))
+    assert note.startswith("1f1b: p=2 m=2") and "layers per virtual stage 2,2 (equal)" in note
+    manual = Strategy.parse("data=8", "dp", manual=True, bucket_mb=0.01)
+    assert manual.notes(model, (16, 32))[0].startswith("gradient all-reduces per step:")
+    assert Strategy.parse("data=8", "dp").notes(model, (16, 32)) == []

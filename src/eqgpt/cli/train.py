@@ -43,9 +43,6 @@ from eqgpt.nn.factory import factory_path, import_modules
 from eqgpt.nn.kernels import auto_kernel_name
 from eqgpt.nn.mask import make_mask
 from eqgpt.parallel import ParallelFlags
-from eqgpt.parallel.manual import bucket_report
-from eqgpt.parallel.overlap import set_overlap_flags
-from eqgpt.parallel.pipeline.part import describe_stages
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text, on_one_device
 from eqgpt.train import (
@@ -427,8 +424,7 @@ def use_compile_cache(cfg: TrainConfig) -> Path | None:
 def start_jax(cfg: TrainConfig) -> Path | None:
     """What must precede the first use of a JAX backend (XLA's flags, the CPU device count, the
     compilation cache), then the multi-process start-up; **returns** the cache directory or `None`."""
-    if cfg.parallel.overlap is not None:  # XLA reads its flags when the backend starts
-        set_overlap_flags()
+    cfg.parallel.before_backend()  # XLA reads its flags when the backend starts (--overlap)
     if cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     compile_cache = use_compile_cache(cfg)
@@ -544,10 +540,8 @@ def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy,
     log(f"run directory: {out}")
     if compile_cache is not None:
         log(f"compilation cache: {compile_cache} (a second start reads its programs; --no-compile-cache: off)")
-    if (buckets := bucket_report(strategy, model_like)) is not None:
-        log(buckets)
-    if (stages := describe_stages(strategy, model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len))):
-        log(stages)
+    for note in strategy.notes(model_like, (cfg.batch_size // cfg.accum_steps, model_cfg.seq_len)):
+        log(note)  # gradient buckets, pipeline stages
     for note in corpus.notes:
         log(note)
     if not tokenizer_decodes(corpus, model_cfg):

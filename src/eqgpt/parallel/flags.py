@@ -55,6 +55,12 @@ class ParallelFlags:
             raise self._error
         return tuple(p for f in _part_fields(type(self)) if (p := getattr(self, f)) is not None)
 
+    def before_backend(self) -> None:
+        """Call before JAX starts a backend: what the parts need then (`--overlap`: XLA's flags)."""
+        for name in _part_fields(type(self)):
+            if (part := getattr(self, name)) is not None:
+                part.before_backend()
+
     def strategy(self):
         """The `eqgpt.parallel.Strategy` (without --mesh: one device, or with several processes
         data parallelism over all their devices)."""

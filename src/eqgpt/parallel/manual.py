@@ -403,6 +403,9 @@ class Manual(Part):
                               chunk_size=chunk_size, z_loss=z_loss, policy=policy,
                               collective_matmul=self.collective_matmul, bucket_bytes=bucket_bytes_of(self.bucket_mb))
 
+    def notes(self, strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+        return [line] if (line := bucket_report(strategy, model_like)) is not None else []
+
     def describe(self, strategy: Any) -> str:
         extra = (["collective matmul"] if self.collective_matmul else []) + (
             [f"buckets {self.bucket_mb:g} MiB"] if self.bucket_mb is not None else [])

@@ -275,6 +275,9 @@ class Overlap(Part):
     order = 70
     needs_mesh = False  # harmless on one device: nothing to overlap
 
+    def before_backend(self) -> None:
+        set_overlap_flags()
+
     def validate(self, strategy: Any) -> None:
         if not overlap_flags_set():
             platform = (strategy.mesh.devices.flat[0] if strategy.mesh is not None else jax.devices()[0]).platform

@@ -115,6 +115,13 @@ class Part:
         """The part's piece of `Strategy.describe()`, or `None`."""
         return None
 
+    def notes(self, strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+        """Lines for a run's log before it trains (`Strategy.notes`): what the part will do."""
+        return []
+
+    def before_backend(self) -> None:
+        """What must happen before JAX starts a backend (XLA reads its flags then)."""
+
     # ------------------------------------------------------------------ placement
 
     def placement(self, strategy: Any, model_like: PyTree) -> Placement | None:

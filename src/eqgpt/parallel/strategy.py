@@ -152,6 +152,10 @@ class Strategy:
         pieces = [d for p in self.parts if (d := p.describe(self)) is not None]
         return " | ".join(["single device" if self.mesh is None else self.rules.name, *pieces])
 
+    def notes(self, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+        """Lines for a run's log: what each part will do with the model and a step's `(rows, seq)`."""
+        return [line for p in self.parts for line in p.notes(self, model_like, batch_shape)]
+
     def __repr__(self) -> str:
         mesh = "one device" if self.mesh is None else ",".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1)
         return f"Strategy({mesh or 'one device'}: {self.describe()})"

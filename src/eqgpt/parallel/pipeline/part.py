@@ -106,6 +106,9 @@ class Pipeline(Part):
                                 context=_sequence_part(strategy), layers_per_stage=self.layers_per_stage,
                                 bucket_bytes=bucket_bytes_of(self.bucket_mb))
 
+    def notes(self, strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+        return [describe_stages(strategy, model_like, batch_shape)]
+
     def describe(self, strategy: Any) -> str:
         split = self.layers_per_stage
         split = "" if split == "equal" else f" layers={split if isinstance(split, str) else ','.join(map(str, split))}"
