@@ -6,7 +6,8 @@ Every option is a dataclass field below (`eqgpt.cli.flags` for --model, --data,
 
     eqgpt-train
     eqgpt-train --steps 50 --data.corpus 'notes/**/*.md'
-    eqgpt-train --import mypkg --model.attention-kernel mine --model.block narrow   # your kernel and block (docs/extending.md)
+    # your kernel and block (docs/extending.md):
+    eqgpt-train --import mypkg --model.attention-kernel mine --model.block narrow
 
 `recipes/train_gpt.py` runs the same.
 """
@@ -82,9 +83,12 @@ class TrainConfig:
     batch_size: int | Literal["auto"] = 32
     """Sequences per step (global); 'auto': the largest that fits the device's memory (from a few compiles)."""
     out_dir: Path | None = None
-    """Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model, checkpoints); one that holds another run is refused without --resume. Default: a fresh runs/PRESET-YYYYmmdd-HHMMSS, which runs/latest points at once it trains; with --resume, the run runs/latest points at."""
+    ("Output directory (config.json, metrics.jsonl, loss.png, samples.txt, model, checkpoints); one that holds "
+     "another run is refused without --resume. Default: a fresh runs/PRESET-YYYYmmdd-HHMMSS, which runs/latest points "
+     "at once it trains; with --resume, the run runs/latest points at.")
     imports: Annotated[tuple[str, ...], tyro.conf.arg(name="import"), tyro.conf.UseAppendAction] = ()
-    """Import this module before the flags are resolved (repeatable): a package of yours that registers attention kernels (eqgpt.nn.kernels.register_kernel), blocks (eqgpt.nn.register_block) or presets (eqgpt.PRESETS)."""
+    ("Import this module before the flags are resolved (repeatable): a package of yours that registers attention "
+     "kernels (eqgpt.nn.kernels.register_kernel), blocks (eqgpt.nn.register_block) or presets (eqgpt.PRESETS).")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -93,31 +97,41 @@ class TrainConfig:
     report: bool = False
     """Print the compiled step's collectives and per-device memory (eqgpt.profile.report) before training."""
     estimate: bool = False
-    """Print the predicted per-device memory (eqgpt.profile.estimate, before compiling), then next to the compiled step's."""
+    ("Print the predicted per-device memory (eqgpt.profile.estimate, before compiling), then next to the compiled "
+     "step's.")
     cpu_devices: int | None = None
     """Simulate this many CPU devices (set before JAX starts), e.g. 8 to try --mesh on one machine."""
     compile_cache: bool = True
-    """Keep every compiled program in JAX's persistent compilation cache: a second start with the same model, mesh and flags reads them instead of compiling (docs/profiling.md). Off: --no-compile-cache, or EQGPT_NO_COMPILE_CACHE=1 (the test suite); a JAX_COMPILATION_CACHE_DIR already set wins."""
+    ("Keep every compiled program in JAX's persistent compilation cache: a second start with the same model, mesh and "
+     "flags reads them instead of compiling (docs/profiling.md). Off: --no-compile-cache, or EQGPT_NO_COMPILE_CACHE=1 "
+     "(the test suite); a JAX_COMPILATION_CACHE_DIR already set wins.")
     compile_cache_dir: Path | None = None
-    """Directory of the compilation cache (default: $EQGPT_CACHE/xla, else ~/.cache/eqgpt/xla); at most 4 GiB, least recently used entries evicted."""
+    ("Directory of the compilation cache (default: $EQGPT_CACHE/xla, else ~/.cache/eqgpt/xla); at most 4 GiB, least "
+     "recently used entries evicted.")
     # --- checkpoints and multi-process runs (eqgpt.train.checkpoint, eqgpt.distributed)
     checkpoint_every: int = 0
-    """Steps between checkpoints (0: none between). Every run also saves one at the end and on SIGTERM/SIGINT, for --resume. A stopped run exits with status 75 (SIGTERM: at once; Ctrl-C: after its samples and plots)."""
+    ("Steps between checkpoints (0: none between). Every run also saves one at the end and on SIGTERM/SIGINT, for "
+     "--resume. A stopped run exits with status 75 (SIGTERM: at once; Ctrl-C: after its samples and plots).")
     checkpoint_dir: Path | None = None
     """Checkpoint directory (default: out_dir/checkpoints)."""
     checkpoint_keep: int = 3
     """Newest checkpoints to keep."""
     resume: bool = False
-    """Continue the run in --out-dir (default: the one runs/latest points at) from its latest good checkpoint, on any --mesh and strategy; flags left out take that run's values. A finished run is left unchanged unless --steps asks for more. Starts at step 0 if the directory holds no checkpoint (see --allow-fresh). A damaged newest checkpoint is named in a warning and the next older one is used."""
+    ("Continue the run in --out-dir (default: the one runs/latest points at) from its latest good checkpoint, on any "
+     "--mesh and strategy; flags left out take that run's values. A finished run is left unchanged unless --steps "
+     "asks for more. Starts at step 0 if the directory holds no checkpoint (see --allow-fresh). A damaged newest "
+     "checkpoint is named in a warning and the next older one is used.")
     # --- faults (docs/checkpointing.md#faults): exit 76 (non-finite) / 77 (diverged) after saving the last good state
     strict: bool = False
     """With --resume: refuse (exit 1) when the newest checkpoint is damaged, instead of falling back to an older one."""
     allow_fresh: bool = False
-    """With --resume: start at step 0 even when the checkpoint directory holds traces of earlier checkpoints (interrupted writes, damaged steps) but none complete; without it the run refuses."""
+    ("With --resume: start at step 0 even when the checkpoint directory holds traces of earlier checkpoints "
+     "(interrupted writes, damaged steps) but none complete; without it the run refuses.")
     max_skipped: int = 0
     """Stop (exit 76) after this many skipped updates in a row (non-finite loss or gradients); 0: never."""
     divergence_factor: float = 0.0
-    """Stop (exit 77) when --divergence-window losses in a row exceed this factor times the running mean of the loss; 0: never."""
+    ("Stop (exit 77) when --divergence-window losses in a row exceed this factor times the running mean of the loss; "
+     "0: never.")
     divergence_window: int = 3
     """Divergent losses in a row that stop the run (K)."""
     # --- the run
@@ -146,9 +160,11 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
     profile_steps: tuple[int, int] | None = None
-    """Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace (Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md."""
+    ("Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace "
+     "(Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md.")
     log: Literal["jsonl", "tensorboard"] = "jsonl"
-    """'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is always written."""
+    ("'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is "
+     "always written.")
 
 
 def strategy_of(cfg: TrainConfig) -> Strategy:
@@ -364,7 +380,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
     if trainer.fault is not None:  # non-finite or diverged: the last good state is saved; nothing to export
-        summary.update(stopped=trainer.fault.reason, exit_code=trainer.fault.code, seconds=trainer.seconds_before + time.perf_counter() - t0)
+        summary.update(stopped=trainer.fault.reason, exit_code=trainer.fault.code,
+                       seconds=trainer.seconds_before + time.perf_counter() - t0)
         if is_main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -375,7 +392,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
             print(f"stopped at step {summary['steps']} by SIGTERM; rerun with --resume to continue "
                   f"(exit status {PREEMPTED_EXIT_CODE})", flush=True)
         return summary
-    state = eqx.tree_at(lambda s: s.model, state, trainer.placement.on_device(state.model))  # from host memory if offloaded
+    # from host memory if offloaded
+    state = eqx.tree_at(lambda s: s.model, state, trainer.placement.on_device(state.model))
     save_model(out, state.model)
     if is_main:
         corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
@@ -385,7 +403,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
                    seconds=trainer.seconds_before + time.perf_counter() - t0, samples=samples)
     if is_main:
-        plot_history(trainer.history, out / "loss.png", title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
+        plot_history(trainer.history, out / "loss.png",
+                     title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
         (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
         print("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)), end="")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -504,7 +523,8 @@ def main(cfg: TrainConfig) -> dict:
     write_run_config(cfg, model_cfg, out)
     checkpointer = make_checkpointer(cfg, model_cfg, out)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
-                         config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch), docs=corpus.train_docs)
+                         config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch),
+                         docs=corpus.train_docs)
     state, seconds = starting_state(cfg, checkpointer, state, log, loader)
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
@@ -517,16 +537,21 @@ def main(cfg: TrainConfig) -> dict:
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     n_params = sum(x.size for x in jax.tree.leaves(model_like))
     log(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
-        f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len}, {kernel_choice(model_cfg, policy)} | corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
-        f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
-    val = eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows) if cfg.eval_windows else None
+        f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len}, {kernel_choice(model_cfg, policy)} | "
+        f"corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
+        f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | "
+        f"peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
+    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
+           if cfg.eval_windows else None)
     trainer = Trainer(
-        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer, val_windows=val,
+        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
+        val_windows=val,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
                              progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
                              max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
                              divergence_window=cfg.divergence_window,
-                             bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg) else bytes_per_token(corpus.tokenizer, val[:, 1:])),
+                             bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg)
+                             else bytes_per_token(corpus.tokenizer, val[:, 1:])),
         flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
     )
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
@@ -583,7 +608,8 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
         return cfg  # main says why
     if not saved.is_file():
         return cfg
-    cfg = tyro.cli(TrainConfig, args=args, default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
+    cfg = tyro.cli(TrainConfig, args=args,
+                   default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
     import_modules(cfg.imports)  # the continued run's own
     return cfg
 

@@ -38,7 +38,8 @@ class ParallelFlags:
     """How the run is distributed: a device mesh, sharding rules and the parts of a `Strategy`."""
 
     mesh: str = ""
-    """Device mesh, e.g. 'pipeline=2,data=2,tensor=2' (axes data, fsdp, pipeline, context, expert, tensor; -1 fills); '' = one device."""
+    ("Device mesh, e.g. 'pipeline=2,data=2,tensor=2' (axes data, fsdp, pipeline, context, expert, tensor; -1 fills); "
+     "'' = one device.")
     rules: str = "dp"
     """Sharding rules on --mesh: presets dp, fsdp, tp, sp joined by '+' (e.g. 'fsdp+tp'); sp implies tp."""
     pipeline: Pipeline | None = None

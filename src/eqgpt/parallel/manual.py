@@ -227,7 +227,8 @@ class _Plan:
         if not grad:
             return filter_shard_map(self.local_forward, mesh=self.mesh, in_specs=(self.specs, self.batch_spec),
                                     out_specs=scalars)
-        return filter_shard_map(self.local_grad, mesh=self.mesh, in_specs=(self.specs, self.batch_spec, PartitionSpec()),
+        return filter_shard_map(self.local_grad, mesh=self.mesh,
+                                in_specs=(self.specs, self.batch_spec, PartitionSpec()),
                                 out_specs=(scalars, self.array_specs))
 
 
@@ -337,14 +338,17 @@ def manual_placement(mesh: Mesh, model_like: PyTree) -> ShardedPlacement:
 class Manual(Part):
     """Manual path: data, tensor and (with 'sp' in --strategy) sequence parallelism under shard_map.
 
-    `Manual(collective_matmul=True, bucket_mb=4)` sets its options. It lays the model out itself (`manual_placement`), so the rules' divisibility
-    is not checked; batches are split by rows over `data` only.
+    `Manual(collective_matmul=True, bucket_mb=4)` sets its options. It lays the model out itself
+    (`manual_placement`), so the rules' divisibility is not checked; batches are split by rows over
+    `data` only.
     """
 
     collective_matmul: bool = field(default=False, metadata={"flag": "collective_matmul"})
-    """With 'sp' in --strategy: each region's all-gather/reduce-scatter as a ring of permutes interleaved with the matmuls (docs/parallelism/sp.md)."""
+    ("With 'sp' in --strategy: each region's all-gather/reduce-scatter as a ring of permutes interleaved with the "
+     "matmuls (docs/parallelism/sp.md).")
     bucket_mb: float | None = field(default=None, metadata={"flag": "bucket_mb"})
-    """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
+    ("Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB "
+     "(docs/parallelism/dp.md).")
 
     name = "manual"
     order = 50
@@ -386,7 +390,8 @@ class Manual(Part):
         tensor = strategy.mesh.shape[TENSOR]
         if self.collective_matmul and seq_len % tensor:
             raise ValueError(f"collective_matmul (--collective-matmul) splits the sequence into tensor={tensor} "
-                             f"ring chunks; seq_len {seq_len} is not divisible by {tensor}: use a multiple of {tensor}.")
+                             f"ring chunks; seq_len {seq_len} is not divisible by {tensor}: "
+                             f"use a multiple of {tensor}.")
         check_tensor_parallel(model_like, tensor)
         if strategy.sequence_parallel and seq_len % tensor:
             raise ValueError(f"sequence parallelism splits the sequence over tensor={tensor}"

@@ -269,7 +269,8 @@ def install_prefetch(model: PyTree, strategy: Any) -> PyTree:
 
 @dataclass(frozen=True)
 class Overlap(Part):
-    """Overlap communication with compute: XLA's GPU scheduler flags (set before JAX starts) and FSDP weight prefetch; see docs/course/17-optimizing-communication.md."""
+    ("Overlap communication with compute: XLA's GPU scheduler flags (set before JAX starts) and FSDP weight "
+     "prefetch; see docs/course/17-optimizing-communication.md.")
 
     name = "overlap"
     order = 70

@@ -52,15 +52,18 @@ class Pipeline(Part):
     """
 
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"
-    """Run the layers as a pipeline over the mesh's 'pipeline' axis with this schedule (zb1: zero-bubble ZB-H1, needs --microbatches >= the pipeline size)."""
+    ("Run the layers as a pipeline over the mesh's 'pipeline' axis with this schedule (zb1: zero-bubble ZB-H1, needs "
+     "--microbatches >= the pipeline size).")
     microbatches: int = field(default=4, metadata={"flag": "microbatches"})
     """Pipeline microbatches per step."""
     virtual_stages: int = field(default=2, metadata={"flag": "virtual_stages"})
     """Layer chunks per pipeline device (interleaved schedule)."""
     layers_per_stage: tuple[int, ...] | str = field(default="equal", metadata={"flag": "pipeline_layers", "cli": str})
-    """Layers per pipeline stage: 'equal', 'auto' (balanced by measured FLOPs: the embedding and head stages take fewer) or counts per virtual stage, e.g. '4,4,4,0'."""
+    ("Layers per pipeline stage: 'equal', 'auto' (balanced by measured FLOPs: the embedding and head stages take "
+     "fewer) or counts per virtual stage, e.g. '4,4,4,0'.")
     bucket_mb: float | None = field(default=None, metadata={"flag": "bucket_mb"})
-    """Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB (docs/parallelism/dp.md)."""
+    ("Pack the gradient all-reduces of --manual and --pipeline into fp32 buckets of at most this many MiB "
+     "(docs/parallelism/dp.md).")
 
     name = "pipeline"
     order = 10
@@ -86,7 +89,8 @@ class Pipeline(Part):
     def validate(self, strategy: Any) -> None:
         if strategy.mesh.shape.get("pipeline", 1) < 2:
             raise ValueError(f"--pipeline {self.schedule} runs the layers over the mesh's 'pipeline' axis, and "
-                             f"--mesh {','.join(f'{a}={n}' for a, n in strategy.mesh.shape.items() if n > 1)} has none: add pipeline=N to --mesh, or drop "
+                             f"--mesh {','.join(f'{a}={n}' for a, n in strategy.mesh.shape.items() if n > 1)} "
+                             "has none: add pipeline=N to --mesh, or drop "
                              "--pipeline.")
 
     def param_rules(self, strategy: Any, rules: Rules) -> Rules:
