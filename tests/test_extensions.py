@@ -80,7 +80,7 @@ def run(cmd: list[str], cwd: Path, with_package: bool) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_a_users_kernel_and_block_train_sample_and_are_recorded(setting):
+def test_a_users_kernel_and_block_train_sample_and_are_recorded(setting, monkeypatch, capsys):
     out = run([*script("eqgpt-train"), "--import", "thatpkg", "--model.preset", "thatpkg-tiny",
                "--model.attention-kernel", "mine", "--model.block", "squared-relu", "--data.corpus", "corpus.txt",
                "--out-dir", "custom", *TINY], setting, with_package=True)
@@ -95,6 +95,11 @@ def test_a_users_kernel_and_block_train_sample_and_are_recorded(setting):
     missing = run([*script("eqgpt-sample"), "--run-dir", "custom"], setting, with_package=False)
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().count("\n") == 0 and "thatpkg" in missing.stderr
+    from eqgpt.interop.__main__ import main as interop
+
+    monkeypatch.syspath_prepend(str(setting / "pkgs"))
+    assert interop(["export", "--run", str(setting / "custom"), "--to", str(setting / "hf-custom")]) == 2
+    assert "trained with block factory thatpkg:block" in capsys.readouterr().err
 
 
 def test_a_registered_kernel_samples_as_reference_and_exports_without_its_package(setting):
