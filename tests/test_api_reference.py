@@ -18,13 +18,13 @@ import chain in between) does. `nox -s docs` builds the real site with `--strict
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 import importlib
+import os
 import pathlib
 import pkgutil
 import re
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 from functools import cache

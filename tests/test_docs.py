@@ -49,7 +49,7 @@ def check_stated_output(stated: str, printed: str, rtol: float = 0.0) -> None:
         words, numbers = _split(want_line)
         for got_words, got_numbers in lines:
             if got_words == words and len(got_numbers) == len(numbers):
-                bad = [(w, g) for w, g in zip(numbers, got_numbers) if not _close(w, g, rtol)]
+                bad = [(w, g) for w, g in zip(numbers, got_numbers, strict=True) if not _close(w, g, rtol)]
                 assert not bad, f"stated {want_line!r}: printed {bad} (stated, printed) outside rtol {rtol}"
                 break
         else:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tyro
-from helpers import compiled_step
-from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
 
 import eqgpt
 from eqgpt.parallel import Strategy, make_mesh
 from eqgpt.parallel.expert import all_to_all_bytes
 from eqgpt.profile import collectives
+from helpers import compiled_step
+from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
 
 STEPS = 5
 MODES = {"capacity": [], "dropless": ["--model.dropless", "True"]}

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, assert_trees_close
 
 import eqgpt
-from eqgpt.nn.moe import MoE, assign_slots
 from eqgpt.nn.mlp import gelu_tanh
+from eqgpt.nn.moe import MoE, assign_slots
+from helpers import TINY, assert_trees_close
 
 E, D, F, B, T = 4, 16, 24, 3, 10
 

@@ -23,16 +23,16 @@ from eqgpt.parallel.pipeline import (
     balanced_layers,
     equal_layers,
     from_stages,
-    measure_costs,
-    stage_flops,
-    stage_slots,
-    to_stages,
     gpipe,
     interleaved,
     lower,
     make_pipeline_schedule,
+    measure_costs,
     one_f_one_b,
     pipeline_grad_fn,
+    stage_flops,
+    stage_slots,
+    to_stages,
     zero_bubble_h1,
 )
 
@@ -267,7 +267,8 @@ def test_balanced_split_weighs_the_head_against_layers():
     for costs in (head_heavy, StageCosts(embed=0.7, layer=1.0, head=1.6)):
         for L, G in ((6, 3), (7, 4)):
             split = balanced_layers(costs, L, G)
-            slowest = lambda s: max(costs.stage(n, g == 0, g == len(s) - 1) for g, n in enumerate(s))  # noqa: E731
+            slowest = lambda s, costs=costs: max(  # noqa: E731
+                costs.stage(n, g == 0, g == len(s) - 1) for g, n in enumerate(s))
             every = [s for s in itertools.product(range(L + 1), repeat=G) if sum(s) == L]
             assert sum(split) == L and slowest(split) == min(map(slowest, every)), (costs, L, G, split)
 

@@ -31,7 +31,7 @@ import optax  # noqa: E402
 
 from eqgpt.data import BatchLoader  # noqa: E402
 from eqgpt.train import SingleDevice, Trainer, TrainerConfig, TrainState, make_train_step  # noqa: E402
-from eqgpt.train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
+from eqgpt.train.checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from mp.common import CONFIG, corpus, host_model  # noqa: E402
 
 NEVER = 100_000  # the runs' step budget: they are killed long before (constant lr: no schedule to end)

@@ -105,7 +105,7 @@ def _stage_fn(first: bool, layers: int, last: bool):
         h = model.embed(tokens, positions) if first else x
         for i in range(layers):
             one = eqx.tree_at(lambda m: m.blocks, model,
-                              jax.tree.map(lambda a: a[i:i + 1] if _is_array(a) else a, model.blocks))
+                              jax.tree.map(lambda a, i=i: a[i:i + 1] if _is_array(a) else a, model.blocks))
             h = one.run_blocks(h, positions, None)
         if not last:
             return h
