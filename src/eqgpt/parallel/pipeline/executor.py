@@ -86,6 +86,7 @@ read from the arrays of `blocks`, the width from `jax.eval_shape` of `embed`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -333,206 +334,274 @@ def _sum_leaves(treedef, leaves, axes, bucket_bytes):
     return jax.tree.unflatten(treedef, bucketed_all_reduce(leaves, axes, bucket_bytes))
 
 
-def _make_step(mesh: Mesh, schedule: Schedule, static, chunk_size: int, z_loss: float,
-               block_axes, rest_axes, *, width: int, policy: Policy, context_axis: str | None,
-               moe: MoEConfig | None = None, moe_layers: int = 0, padded: bool = False,
-               bucket_bytes: int | None = None):
+@dataclass(frozen=True)
+class _StepContext:
+    """What the step's functions share and never change: one compiled program's settings.
+
+    `static` is the model's non-array part; `block_axes`/`rest_axes` the `BatchAxes` of each block
+    array and each other array; `width` the activation width; `seq_axes` the manual axes that split the
+    sequence (`context`, or none); `moe` the model's `MoEConfig` (`moe_layers` MoE layers in all);
+    `padded`: skip the layer slots `slots` marks empty (uneven `layers_per_stage`); `bucket_bytes`: the
+    end-of-step gradient all-reduces in buckets (`_reduce_grads`).
+    """
+
+    mesh: Mesh
+    schedule: Schedule
+    static: Any
+    block_axes: Any
+    rest_axes: Any
+    width: int
+    policy: Policy
+    chunk_size: int
+    z_loss: float
+    seq_axes: tuple[str, ...] = ()
+    moe: MoEConfig | None = None
+    moe_layers: int = 0
+    padded: bool = False
+    bucket_bytes: int | None = None
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        return (*MANUAL_AXES, *self.seq_axes)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return (*ROW_AXES, *self.seq_axes)  # every device here holds a share of the tokens
+
+    def vary(self, tree):
+        return to_varying(tree, self.manual)
+
+
+@dataclass(frozen=True)
+class _StepValues:
+    """What one step makes once, before its ticks, and every branch reads."""
+
+    positions: Array  # the global position of each slot of the local sequence
+    total: Array  # the step's count of loss tokens, over all devices
+    scale: Array  # the loss scale (1 without dynamic loss scaling)
+    rows: int  # rows of a microbatch, on this device
+    seq: int  # positions of a row, on this device
+    rows_total: int  # of the whole step
+    seq_total: int
+    zeros_act: Array
+    no_terms: Array
+    no_stats: MoEStats | None
+
+
+def _make_step(ctx: _StepContext):
     """The `shard_map`ped step
     `(staged blocks, slots, other params, batch, positions, loss scale) -> (loss terms, grads, grads)`.
 
-    `slots` (`stage_slots`, placed like the blocks) says which layer slots of each
-    chunk hold a layer; with `padded` the others are skipped (uneven `layers_per_stage`).
+    `slots` (`stage_slots`, placed like the blocks) says which layer slots of each chunk hold a layer;
+    `positions` the global position of each slot of the (possibly laid-out) sequence, split over
+    `ctx.seq_axes` like the batch's. The backward pass starts from `d(loss) = loss scale` and the
+    gradients are divided by it at the end (dynamic loss scaling; 1 without it).
 
-    `width` is the model's activation width; `positions` the global position of each
-    slot of the (possibly laid-out) sequence. With `context_axis` the sequence of the
-    batch and of the positions is split over it too (a manual axis like `data`).
-    The backward pass starts from `d(loss) = loss scale` and the gradients are divided
-    by it at the end (dynamic loss scaling; 1 without it).
-
-    With `moe` (the model's `MoEConfig`; `moe_layers` MoE layers in all), every stage adds its MoE layers' auxiliary
-    losses to the loss term of each microbatch it runs forward, and their router
-    statistics to the step's (`eqgpt.nn.moe.MoEStats`, summed over microbatches,
-    stages and devices); the loss's cotangent is the loss scale on every stage.
-
-    `bucket_bytes`: the end-of-step gradient all-reduces in buckets (`_reduce_grads`).
+    With `ctx.moe`, every stage adds its MoE layers' auxiliary losses to the loss term of each
+    microbatch it runs forward, and their router statistics to the step's (`eqgpt.nn.moe.MoEStats`,
+    summed over microbatches, stages and devices); the loss's cotangent is the loss scale on every stage.
     """
-    p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
-    lowered = lower(schedule)
+    block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), ctx.block_axes)
+    rest_specs = jax.tree.map(lambda ba: ba.spec(), ctx.rest_axes)
+    batch_spec = PartitionSpec(ROW_AXES, *ctx.seq_axes)
+    lowered = lower(ctx.schedule)
     program = jnp.asarray(lowered.instructions)
-    ring = v > 1  # chunks wrap from the last stage back to the first
-    fwd_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
-    bwd_perm = [(i, (i - 1) % p) for i in (range(p) if ring else range(1, p))]
-    seq_axes = () if context_axis is None else (context_axis,)
-    manual = (*MANUAL_AXES, *seq_axes)
-    token_axes = (*ROW_AXES, *seq_axes)  # every device here holds a share of the tokens
-    vary = lambda tree: to_varying(tree, manual)  # noqa: E731
-
-    def step(blocks, slots, rest, batch, positions, scale):
-        blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
-        slots = slots[0]
-        blocks = vary(_gather_params(blocks, block_axes, lead=2))
-        rest = vary(_gather_params(rest, rest_axes))
-        bl, t = batch["tokens"].shape
-        mb = bl // m
-        micro = vary({k: rearrange(a, "(m b) ... -> m b ...", m=m) for k, a in batch.items()})
-        mask = batch.get("loss_mask")
-        local_count = jnp.sum(mask.astype(jnp.float32)) if mask is not None else jnp.float32(bl * t)
-        total = jnp.maximum(all_reduce(local_count, token_axes), 1.0)
-        pos = positions
-        stage = jax.lax.axis_index(PIPELINE)
-        act = policy.compute  # activations travel between stages in the compute dtype
-
-        zeros_act = jnp.zeros((mb, t, width), act)
-        no_terms = jnp.zeros((3,), jnp.float32)
-        zero = jnp.float32(0)
-        no_stats = None if moe is None else MoEStats(zero, zero, zero, jnp.zeros((moe.num_experts,)), zero)
-        rows_total = bl * math.prod(mesh.shape[a] for a in ROW_AXES)
-        seq_total = t * math.prod(mesh.shape[a] for a in seq_axes)
-
-        def layers(model, x, data):
-            """Every layer of `model.blocks` on `x`: (output, MoE stats or None)."""
-            if moe is None:
-                return model.run_blocks(x, pos, data.get("segment_ids")), None
-            return model.run_blocks_with_stats(x, pos, data.get("segment_ids"))
-
-        def padded_layers(rest_p, chunk, x, data, used):
-            """The chunk's layers one slot at a time, skipping the slots that hold none."""
-
-            def slot(h, xs):
-                params, on = xs
-                model = _stage_model(rest_p, jax.tree.map(lambda a: a[None], params), static)
-                shapes = jax.eval_shape(lambda: layers(model, h, data))
-                skip = lambda h: vary((h, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1])))  # noqa: E731
-                return jax.lax.cond(on, lambda h: vary(layers(model, h, data)), skip, h)
-
-            h, stats = jax.lax.scan(slot, x, (chunk, used))
-            return h, None if stats is None else jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
-
-        def run(chunk, rest_p, x, data, first, last, used):
-            """One virtual stage: (input, or tokens if `first`) -> (output, (loss terms if `last`, MoE stats))."""
-            rest_p, chunk = policy.cast_to_compute(rest_p), policy.cast_to_compute(chunk)
-            model = _stage_model(rest_p, chunk, static)
-            x = jax.lax.cond(first, lambda: model.embed(data["tokens"], pos).astype(act), lambda: x)
-            h, stats = padded_layers(rest_p, chunk, x, data, used) if padded else layers(model, x, data)
-            extra = 0.0
-            if moe is not None:  # this chunk's MoE layers: their share of the step's auxiliary loss
-                extra = moe_loss(stats._replace(layers=jnp.float32(moe_layers)), moe,
-                                 rows=rows_total, tokens=rows_total * seq_total)[0]
-
-            def loss_terms(h):
-                # This device's positions only (all of them, or its context shard): the
-                # mean over them, weighted by their share of all the step's tokens.
-                lm = data.get("loss_mask")
-                loss, aux = chunked_cross_entropy(
-                    model.logits, model.norm(h), data["targets"], loss_mask=lm,
-                    chunk_size=chunk_size, z_loss=z_loss,
-                )
-                count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(mb * t)
-                return jnp.maximum(count, 1.0) / total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
-
-            terms = jax.lax.cond(last, loss_terms, lambda h: vary(no_terms), h)
-            return h, vary((terms.at[0].add(extra), stats))  # varying like the cotangents `backward` gives
-
-        def idle(chunk, rest_p, x, dy, data, first, last, used):
-            zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
-            return vary((zeros_act, zeros_act, *zeros, (no_terms, no_stats)))
-
-        def forward(chunk, rest_p, x, dy, data, first, last, used):
-            y, terms = run(chunk, rest_p, x, data, first, last, used)
-            zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
-            return vary((y.astype(act), zeros_act, *zeros, terms))
-
-        def cotangents(last, dy, y, terms):
-            # The gradient that came from the next stage (none on the last virtual stage), and
-            # d(loss) = the loss scale (1 unscaled): the last virtual stage's loss, every stage's MoE losses.
-            cot_terms = (jnp.stack([scale, 0.0, 0.0]), jax.tree.map(jnp.zeros_like, terms[1]))
-            return jnp.where(last, 0.0, dy).astype(y.dtype), vary(cot_terms)
-
-        def backward(chunk, rest_p, x, dy, data, first, last, used):
-            # Recompute the stage from its saved input, then pull back both gradients.
-            (y, terms), pullback = jax.vjp(lambda c, r, x_: run(c, r, x_, data, first, last, used), chunk, rest_p, x)
-            d_chunk, d_rest, dx = pullback(cotangents(last, dy, y, terms))
-            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), d_chunk, d_rest, (no_terms, no_stats)))
-
-        def input_grad(chunk, rest_p, x, dy, data, first, last, used):
-            # Split backward, B: the vjp with respect to the stage input only (the parameters
-            # are constants, so no weight-gradient product is computed), sent to the previous stage.
-            (y, terms), pullback = jax.vjp(lambda x_: run(chunk, rest_p, x_, data, first, last, used), x)
-            (dx,) = pullback(cotangents(last, dy, y, terms))
-            zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
-            return vary((zeros_act, jnp.where(first, 0.0, dx).astype(act), *zeros, (no_terms, no_stats)))
-
-        def weight_grad(chunk, rest_p, x, dy, data, first, last, used):
-            # Split backward, W: the vjp with respect to the parameters only, recomputed from the
-            # same saved input and incoming gradient; nothing is sent.
-            (y, terms), pullback = jax.vjp(lambda c, r: run(c, r, x, data, first, last, used), chunk, rest_p)
-            d_chunk, d_rest = pullback(cotangents(last, dy, y, terms))
-            return vary((zeros_act, zeros_act, d_chunk, d_rest, (no_terms, no_stats)))
-
-        # Indexed by the lowering's op codes: IDLE, FORWARD, BACKWARD (the input gradient when split), WEIGHT.
-        branches = [idle, forward, input_grad, weight_grad] if schedule.split_backward else [idle, forward, backward]
-
-        def tick(carry, row_all):
-            acts, grads_in, g_blocks, g_rest, terms = carry
-            row = row_all[stage]
-            c = row[CHUNK]
-            chunk = jax.tree.map(lambda a: a[c], blocks)
-            data = jax.tree.map(lambda a: a[row[MICROBATCH]], micro)
-            x, dy = acts[row[ACT_READ]], grads_in[row[GRAD_READ]]
-            g = c * p + stage  # the virtual stage
-            send_f, send_b, d_chunk, d_rest, d_terms = jax.lax.switch(
-                row[OP], branches, chunk, rest, x, dy, data, g == 0, g == p * v - 1, slots[c]
-            )
-            g_blocks = jax.tree.map(lambda acc, u: acc.at[c].add(u), g_blocks, d_chunk)
-            g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
-            acts = acts.at[row[ACT_WRITE]].set(ppermute(send_f, PIPELINE, fwd_perm), mode="drop")
-            grads_in = grads_in.at[row[GRAD_WRITE]].set(
-                ppermute(send_b, PIPELINE, bwd_perm), mode="drop")
-            return (acts, grads_in, g_blocks, g_rest, jax.tree.map(jnp.add, terms, d_terms)), None
-
-        init = vary((
-            jnp.zeros((lowered.act_slots, mb, t, width), act),
-            jnp.zeros((lowered.grad_slots, mb, t, width), act),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), blocks),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest),
-            (no_terms, no_stats),
-        ))
-        (_, _, g_blocks, g_rest, terms), _ = jax.lax.scan(tick, init, program)
-        # Once per step: the loss terms summed over stages (the last stage's loss, every
-        # stage's MoE terms) and over the data-parallel devices; embedding/head
-        # gradients summed over stages.
-        terms = all_reduce(terms, (PIPELINE, *token_axes))
-        rest_leaves, rest_def = jax.tree.flatten(g_rest)
-        g_rest = _sum_leaves(rest_def, rest_leaves, [PIPELINE] * len(rest_leaves), bucket_bytes)
-        g_rest = _reduce_grads(g_rest, rest_axes, sum_axes=token_axes, bucket_bytes=bucket_bytes)
-        g_blocks = _reduce_grads(g_blocks, block_axes, lead=2, sum_axes=token_axes, bucket_bytes=bucket_bytes)
-        g_blocks = jax.tree.map(lambda g: g[None], g_blocks)
-        return terms, unscale(g_blocks, scale), unscale(g_rest, scale)
-
-    block_specs = jax.tree.map(lambda ba: ba.spec((PIPELINE, None, None)), block_axes)
-    rest_specs = jax.tree.map(lambda ba: ba.spec(), rest_axes)
-    batch_spec = PartitionSpec(ROW_AXES, *seq_axes)
     return jax.shard_map(
-        step, mesh=mesh,
-        in_specs=(block_specs, PartitionSpec(PIPELINE), rest_specs, batch_spec, PartitionSpec(*seq_axes),
+        functools.partial(_step, ctx, lowered, program), mesh=ctx.mesh,
+        in_specs=(block_specs, PartitionSpec(PIPELINE), rest_specs, batch_spec, PartitionSpec(*ctx.seq_axes),
                   PartitionSpec()),
-        out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(manual),
+        out_specs=(PartitionSpec(), block_specs, rest_specs), axis_names=set(ctx.manual),
     )
 
 
+def _step(ctx: _StepContext, lowered, program, blocks, slots, rest, batch, positions, scale):
+    """One device's step: gather the parameters, scan `_tick` over the rows of `program` (the
+    instructions of `lowered`), reduce once."""
+    schedule, m = ctx.schedule, ctx.schedule.num_microbatches
+    blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
+    slots = slots[0]
+    blocks = ctx.vary(_gather_params(blocks, ctx.block_axes, lead=2))
+    rest = ctx.vary(_gather_params(rest, ctx.rest_axes))
+    bl, t = batch["tokens"].shape
+    mb = bl // m
+    micro = ctx.vary({k: rearrange(a, "(m b) ... -> m b ...", m=m) for k, a in batch.items()})
+    mask = batch.get("loss_mask")
+    local_count = jnp.sum(mask.astype(jnp.float32)) if mask is not None else jnp.float32(bl * t)
+    total = jnp.maximum(all_reduce(local_count, ctx.token_axes), 1.0)
+    stage = jax.lax.axis_index(PIPELINE)
+    act = ctx.policy.compute  # activations travel between stages in the compute dtype
+    zeros_act = jnp.zeros((mb, t, ctx.width), act)
+    no_terms = jnp.zeros((3,), jnp.float32)
+    zero = jnp.float32(0)
+    no_stats = None if ctx.moe is None else MoEStats(zero, zero, zero, jnp.zeros((ctx.moe.num_experts,)), zero)
+    values = _StepValues(
+        positions, total, scale, mb, t, rows_total=bl * math.prod(ctx.mesh.shape[a] for a in ROW_AXES),
+        seq_total=t * math.prod(ctx.mesh.shape[a] for a in ctx.seq_axes), zeros_act=zeros_act, no_terms=no_terms,
+        no_stats=no_stats,
+    )
+    # Indexed by the lowering's op codes: IDLE, FORWARD, BACKWARD (the input gradient when split), WEIGHT.
+    kinds = [_idle, _forward, _input_grad, _weight_grad] if schedule.split_backward else [_idle, _forward, _backward]
+    branches = [functools.partial(f, ctx, values) for f in kinds]
+    tick = functools.partial(_tick, ctx, branches, stage, blocks, slots, rest, micro)
+    init = ctx.vary((
+        jnp.zeros((lowered.act_slots, mb, t, ctx.width), act),
+        jnp.zeros((lowered.grad_slots, mb, t, ctx.width), act),
+        jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), blocks),
+        jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest),
+        (values.no_terms, values.no_stats),
+    ))
+    (_, _, g_blocks, g_rest, terms), _ = jax.lax.scan(tick, init, program)
+    return _reduce_step(ctx, terms, g_blocks, g_rest, scale)
+
+
+def _tick(ctx: _StepContext, branches, stage, blocks, slots, rest, micro, carry, row_all):
+    """One tick: this stage's branch, its gradients accumulated, its messages sent on."""
+    p, v = ctx.schedule.num_stages, ctx.schedule.num_chunks
+    ring = v > 1  # chunks wrap from the last stage back to the first
+    fwd_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+    bwd_perm = [(i, (i - 1) % p) for i in (range(p) if ring else range(1, p))]
+    acts, grads_in, g_blocks, g_rest, terms = carry
+    row = row_all[stage]
+    c = row[CHUNK]
+    chunk = jax.tree.map(lambda a: a[c], blocks)
+    data = jax.tree.map(lambda a: a[row[MICROBATCH]], micro)
+    x, dy = acts[row[ACT_READ]], grads_in[row[GRAD_READ]]
+    g = c * p + stage  # the virtual stage
+    send_f, send_b, d_chunk, d_rest, d_terms = jax.lax.switch(
+        row[OP], branches, chunk, rest, x, dy, data, g == 0, g == p * v - 1, slots[c]
+    )
+    g_blocks = jax.tree.map(lambda acc, u: acc.at[c].add(u), g_blocks, d_chunk)
+    g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
+    acts = acts.at[row[ACT_WRITE]].set(ppermute(send_f, PIPELINE, fwd_perm), mode="drop")
+    grads_in = grads_in.at[row[GRAD_WRITE]].set(ppermute(send_b, PIPELINE, bwd_perm), mode="drop")
+    return (acts, grads_in, g_blocks, g_rest, jax.tree.map(jnp.add, terms, d_terms)), None
+
+
+def _reduce_step(ctx: _StepContext, terms, g_blocks, g_rest, scale):
+    """Once per step: the loss terms summed over stages (the last stage's loss, every stage's MoE
+    terms) and over the data-parallel devices; embedding/head gradients summed over stages; every
+    gradient reduced over the devices that saw a share of the tokens, and unscaled."""
+    token_axes, bucket_bytes = ctx.token_axes, ctx.bucket_bytes
+    terms = all_reduce(terms, (PIPELINE, *token_axes))
+    rest_leaves, rest_def = jax.tree.flatten(g_rest)
+    g_rest = _sum_leaves(rest_def, rest_leaves, [PIPELINE] * len(rest_leaves), bucket_bytes)
+    g_rest = _reduce_grads(g_rest, ctx.rest_axes, sum_axes=token_axes, bucket_bytes=bucket_bytes)
+    g_blocks = _reduce_grads(g_blocks, ctx.block_axes, lead=2, sum_axes=token_axes, bucket_bytes=bucket_bytes)
+    g_blocks = jax.tree.map(lambda g: g[None], g_blocks)
+    return terms, unscale(g_blocks, scale), unscale(g_rest, scale)
+
+
+# ------------------------------------------------------------------ one virtual stage
+
+
+def _layers(ctx: _StepContext, values: _StepValues, model, x, data):
+    """Every layer of `model.blocks` on `x`: (output, MoE stats or None)."""
+    if ctx.moe is None:
+        return model.run_blocks(x, values.positions, data.get("segment_ids")), None
+    return model.run_blocks_with_stats(x, values.positions, data.get("segment_ids"))
+
+
+def _padded_layers(ctx: _StepContext, values: _StepValues, rest_p, chunk, x, data, used):
+    """The chunk's layers one slot at a time, skipping the slots that hold none."""
+
+    def slot(h, xs):
+        params, on = xs
+        model = _stage_model(rest_p, jax.tree.map(lambda a: a[None], params), ctx.static)
+        shapes = jax.eval_shape(lambda: _layers(ctx, values, model, h, data))
+        skip = lambda h: ctx.vary((h, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1])))  # noqa: E731
+        return jax.lax.cond(on, lambda h: ctx.vary(_layers(ctx, values, model, h, data)), skip, h)
+
+    h, stats = jax.lax.scan(slot, x, (chunk, used))
+    return h, None if stats is None else jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+
+
+def _run(ctx: _StepContext, values: _StepValues, chunk, rest_p, x, data, first, last, used):
+    """One virtual stage: (input, or tokens if `first`) -> (output, (loss terms if `last`, MoE stats))."""
+    policy = ctx.policy
+    rest_p, chunk = policy.cast_to_compute(rest_p), policy.cast_to_compute(chunk)
+    model = _stage_model(rest_p, chunk, ctx.static)
+    x = jax.lax.cond(first, lambda: model.embed(data["tokens"], values.positions).astype(policy.compute), lambda: x)
+    if ctx.padded:
+        h, stats = _padded_layers(ctx, values, rest_p, chunk, x, data, used)
+    else:
+        h, stats = _layers(ctx, values, model, x, data)
+    extra = 0.0
+    if ctx.moe is not None:  # this chunk's MoE layers: their share of the step's auxiliary loss
+        extra = moe_loss(stats._replace(layers=jnp.float32(ctx.moe_layers)), ctx.moe,
+                         rows=values.rows_total, tokens=values.rows_total * values.seq_total)[0]
+    loss_terms = functools.partial(_loss_terms, ctx, values, model, data)
+    terms = jax.lax.cond(last, loss_terms, lambda h: ctx.vary(values.no_terms), h)
+    return h, ctx.vary((terms.at[0].add(extra), stats))  # varying like the cotangents `backward` gives
+
+
+def _loss_terms(ctx: _StepContext, values: _StepValues, model, data, h):
+    """`[loss, nll, z_loss]` of this device's positions only (all of them, or its context shard):
+    the mean over them, weighted by their share of all the step's tokens."""
+    lm = data.get("loss_mask")
+    loss, aux = chunked_cross_entropy(
+        model.logits, model.norm(h), data["targets"], loss_mask=lm,
+        chunk_size=ctx.chunk_size, z_loss=ctx.z_loss,
+    )
+    count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(values.rows * values.seq)
+    return jnp.maximum(count, 1.0) / values.total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
+
+
+# ------------------------------------------------------------------ the branches of a tick
+# Each takes (chunk, rest params, stage input, incoming gradient, microbatch, first, last, used slots)
+# and returns (activation sent on, gradient sent back, chunk grads, rest grads, (loss terms, MoE stats)).
+
+
+def _idle(ctx: _StepContext, values: _StepValues, chunk, rest_p, x, dy, data, first, last, used):
+    zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
+    return ctx.vary((values.zeros_act, values.zeros_act, *zeros, (values.no_terms, values.no_stats)))
+
+
+def _forward(ctx: _StepContext, values: _StepValues, chunk, rest_p, x, dy, data, first, last, used):
+    y, terms = _run(ctx, values, chunk, rest_p, x, data, first, last, used)
+    zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
+    return ctx.vary((y.astype(ctx.policy.compute), values.zeros_act, *zeros, terms))
+
+
+def _cotangents(ctx: _StepContext, values: _StepValues, last, dy, y, terms):
+    """The gradient that came from the next stage (none on the last virtual stage), and
+    d(loss) = the loss scale (1 unscaled): the last virtual stage's loss, every stage's MoE losses."""
+    cot_terms = (jnp.stack([values.scale, 0.0, 0.0]), jax.tree.map(jnp.zeros_like, terms[1]))
+    return jnp.where(last, 0.0, dy).astype(y.dtype), ctx.vary(cot_terms)
+
+
+def _backward(ctx: _StepContext, values: _StepValues, chunk, rest_p, x, dy, data, first, last, used):
+    """Recompute the stage from its saved input, then pull back both gradients."""
+    run = lambda c, r, x_: _run(ctx, values, c, r, x_, data, first, last, used)  # noqa: E731
+    (y, terms), pullback = jax.vjp(run, chunk, rest_p, x)
+    d_chunk, d_rest, dx = pullback(_cotangents(ctx, values, last, dy, y, terms))
+    dx = jnp.where(first, 0.0, dx).astype(ctx.policy.compute)
+    return ctx.vary((values.zeros_act, dx, d_chunk, d_rest, (values.no_terms, values.no_stats)))
+
+
+def _input_grad(ctx: _StepContext, values: _StepValues, chunk, rest_p, x, dy, data, first, last, used):
+    """Split backward, B: the vjp with respect to the stage input only (the parameters are
+    constants, so no weight-gradient product is computed), sent to the previous stage."""
+    run = lambda x_: _run(ctx, values, chunk, rest_p, x_, data, first, last, used)  # noqa: E731
+    (y, terms), pullback = jax.vjp(run, x)
+    (dx,) = pullback(_cotangents(ctx, values, last, dy, y, terms))
+    zeros = jax.tree.map(jnp.zeros_like, (chunk, rest_p))
+    dx = jnp.where(first, 0.0, dx).astype(ctx.policy.compute)
+    return ctx.vary((values.zeros_act, dx, *zeros, (values.no_terms, values.no_stats)))
+
+
+def _weight_grad(ctx: _StepContext, values: _StepValues, chunk, rest_p, x, dy, data, first, last, used):
+    """Split backward, W: the vjp with respect to the parameters only, recomputed from the
+    same saved input and incoming gradient; nothing is sent."""
+    run = lambda c, r: _run(ctx, values, c, r, x, data, first, last, used)  # noqa: E731
+    (y, terms), pullback = jax.vjp(run, chunk, rest_p)
+    d_chunk, d_rest = pullback(_cotangents(ctx, values, last, dy, y, terms))
+    return ctx.vary((values.zeros_act, values.zeros_act, d_chunk, d_rest, (values.no_terms, values.no_stats)))
+
+
 def pipeline_grad_fn(
-    mesh: Mesh,
-    schedule: Schedule | str,
-    microbatches: int | None = None,
-    *,
-    virtual_stages: int = 2,
-    rules: Rules | str | None = None,
-    chunk_size: int = 128,
-    z_loss: float = 0.0,
-    policy: Policy | None = None,
-    context: Any = None,
-    layers_per_stage: tuple[int, ...] | str = "equal",
-    bucket_bytes: int | None = None,
+    mesh: Mesh, schedule: Schedule | str, microbatches: int | None = None, *, virtual_stages: int = 2,
+    rules: Rules | str | None = None, chunk_size: int = 128, z_loss: float = 0.0, policy: Policy | None = None,
+    context: Any = None, layers_per_stage: tuple[int, ...] | str = "equal", bucket_bytes: int | None = None,
 ) -> PipelineGradFn:
     """A `grad_fn(model, batch) -> ((loss, aux), grads)` that runs a pipeline schedule.
 
@@ -665,13 +734,13 @@ class PipelineGradFn:
         padded = L % G != 0 or counts != equal_layers(L, G)
         layout = jax.tree.structure(eqx.filter(model, eqx.is_array))  # the caller's, hooks included
         param_dtypes = [a.dtype for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
-        context_axis = None
+        seq_axes: tuple[str, ...] = ()
         positions = jnp.arange(t)
         if ctx is not None and mesh.shape[ctx.axis] > 1:  # the sequence over `context`: laid out once, here
             from eqgpt.parallel.context.layout import layout_batch
             from eqgpt.parallel.context.model import use_context_attention
 
-            context_axis = ctx.axis
+            seq_axes = (ctx.axis,)
             fields = layout_batch(fields, mesh.shape[ctx.axis], ctx.ordering)
             positions = fields.pop("positions")
             model = use_context_attention(model, mesh, _in_stage(ctx))  # the kernels only: the same arrays
@@ -687,9 +756,10 @@ class PipelineGradFn:
         rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
         moe = getattr(model, "moe", None)  # the MoE accessors of `eqgpt.nn.LanguageModel`
         moe_layers = getattr(model, "num_moe_layers", 0)
-        step = _make_step(mesh, schedule, static, self.chunk_size, self.z_loss, block_axes, rest_axes,
-                          width=width, policy=self.policy, context_axis=context_axis, moe=moe, moe_layers=moe_layers,
-                          padded=padded, bucket_bytes=self.bucket_bytes)
+        step = _make_step(_StepContext(
+            mesh, schedule, static, block_axes, rest_axes, width, self.policy, self.chunk_size, self.z_loss,
+            seq_axes=seq_axes, moe=moe, moe_layers=moe_layers, padded=padded, bucket_bytes=self.bucket_bytes,
+        ))
         stage_counts = counts if padded else None
         slots = jnp.asarray(stage_slots(p, v, counts))
         staged = jax.tree.map(lambda a: to_stages(a, p, v, stage_counts), blocks)
