@@ -73,12 +73,13 @@ def run_case(case: Case, preset: str, batch: int, seq: int | None, vocab: int | 
     import eqgpt
     from eqgpt.data import Batch
     from eqgpt.nn import GPT
-    from eqgpt.train import Strategy, TrainState, make_lr_schedule, make_optimizer, make_train_step
+    from eqgpt.parallel import ParallelFlags
+    from eqgpt.train import TrainState, make_lr_schedule, make_optimizer, make_train_step
 
     t0 = time.perf_counter()
     overrides = {k: v for k, v in (("seq_len", seq), ("vocab_size", vocab)) if v}
     config = eqgpt.preset(preset, num_layers=layers or case.layers, scan_layers=case.scan, **overrides)
-    strategy = Strategy.parse(case.mesh, case.rules, pipeline=case.pipeline, context=case.context)
+    strategy = ParallelFlags.parse(case.mesh, case.rules, pipeline=case.pipeline, context=case.context)
     make_model = lambda k: GPT(config, key=k)  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     strategy.check(model_like, batch_size=batch, seq_len=config.seq_len)

@@ -41,11 +41,12 @@ def measure(name: str, on: bool, args) -> dict:
     import eqgpt
     from eqgpt import nn
     from eqgpt.data import Batch
+    from eqgpt.parallel import ParallelFlags
     from eqgpt.profile import collectives, memory, schedule, schedule_summary
-    from eqgpt.train import Strategy, TrainState, make_train_step
+    from eqgpt.train import TrainState, make_train_step
 
     mesh, rules, manual, options = CASES[name]
-    strategy = Strategy.parse(mesh, rules, manual=manual, **(options if on else {}))
+    strategy = ParallelFlags.parse(mesh, rules, manual=manual, **(options if on else {}))
     config = eqgpt.GPTConfig(vocab_size=256, seq_len=args.seq, num_layers=args.layers, num_heads=4,
                              embed_dim=args.embed, scan_layers=args.scan)
     model = strategy.init_model(lambda k: nn.GPT(config, key=k), jax.random.key(0))

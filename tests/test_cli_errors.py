@@ -74,14 +74,14 @@ def test_parallel_errors_suggest_a_mesh_that_fits_the_flag(monkeypatch):
     import jax
 
     from eqgpt.nn import GPT
-    from eqgpt.parallel import Strategy
+    from eqgpt.parallel import ParallelFlags
     from helpers import TINY
 
     with pytest.raises(ValueError, match=r"context needs a mesh, e\.g\. --mesh context=2,data=2"):
-        Strategy.parse("", "dp", context="ring")
+        ParallelFlags.parse("", "dp", context="ring")
     model = jax.eval_shape(lambda k: GPT(TINY, key=k), jax.random.key(0))
     with pytest.raises(ValueError, match=r"--context ring splits the sequence .* --mesh data=8 has none"):
-        Strategy.parse("data=8", "dp", context="ring").check(model, batch_size=8, seq_len=32)
+        ParallelFlags.parse("data=8", "dp", context="ring").check(model, batch_size=8, seq_len=32)
     recipe = load_recipe()
     monkeypatch.setattr(jax, "devices", lambda *a: jax.local_devices()[:1])  # a CPU without --cpu-devices
     with pytest.raises(ValueError, match=r"^--mesh data=8: .* --cpu-devices 8 --mesh data=8"):

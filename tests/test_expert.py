@@ -130,7 +130,7 @@ def test_compiled_step_has_four_all_to_alls_per_moe_layer_of_the_analytic_size()
     (["--model.preset", "moe-nano", "--model.num-experts", "6", "--mesh", "expert=4,data=2"],
      r"num_experts=6 is not divisible by the expert axis.*--mesh expert=4"),
     (["--model.preset", "moe-nano", "--model.top-k", "9"], r"top_k.*--model.top-k 9"),
-    (["--model.preset", "moe-nano", "--model.capacity-factor", "0"], r"capacity_factor.*--model.capacity-factor"),
+    (["--model.preset", "moe-nano", "--model.capacity-factor", "0"], r"--model.capacity-factor must be above 0"),
     (["--model.preset", "moe-nano", "--mesh", "expert=4,tensor=2", "--strategy", "tp", "--manual"],
      r"drop --manual"),
     (["--model.preset", "moe-nano", "--mesh", "data=4,tensor=2", "--strategy", "dp+sp", "--manual"],

@@ -27,6 +27,7 @@ import eqgpt
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.data import Batch
+from eqgpt.parallel import ParallelFlags
 from eqgpt.parallel.context import Context
 from eqgpt.train import Strategy, TrainState, make_train_step
 from eqgpt.train.optim import clip_by_global_norm
@@ -109,33 +110,33 @@ def errors(got: dict, want: dict) -> dict[str, float]:
 
 
 CASES = {
-    "dp": ("gpt", lambda: Strategy.parse("data=8", "dp")),
-    "fsdp": ("gpt", lambda: Strategy.parse("fsdp=8", "fsdp")),
-    "tp": ("gpt", lambda: Strategy.parse("tensor=8", "tp")),
-    "sp": ("llama", lambda: Strategy.parse("data=2,tensor=4", "dp+sp")),
-    "dp+fsdp+tp": ("llama", lambda: Strategy.parse("data=2,fsdp=2,tensor=2", "dp+fsdp+tp")),
-    "manual-dp": ("gpt", lambda: Strategy.parse("data=8", "dp", manual=True)),
-    "manual-tp": ("llama", lambda: Strategy.parse("data=2,tensor=4", "dp+tp", manual=True)),
-    "manual-sp": ("gpt", lambda: Strategy.parse("data=2,tensor=4", "dp+sp", manual=True)),
-    "zero1-auto": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=1)),
-    "zero2-auto": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=2)),
-    "zero1-manual": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=1, manual=True)),
-    "zero2-manual": ("gpt", lambda: Strategy.parse("data=8", "dp", zero=2, manual=True)),
+    "dp": ("gpt", lambda: ParallelFlags.parse("data=8", "dp")),
+    "fsdp": ("gpt", lambda: ParallelFlags.parse("fsdp=8", "fsdp")),
+    "tp": ("gpt", lambda: ParallelFlags.parse("tensor=8", "tp")),
+    "sp": ("llama", lambda: ParallelFlags.parse("data=2,tensor=4", "dp+sp")),
+    "dp+fsdp+tp": ("llama", lambda: ParallelFlags.parse("data=2,fsdp=2,tensor=2", "dp+fsdp+tp")),
+    "manual-dp": ("gpt", lambda: ParallelFlags.parse("data=8", "dp", manual=True)),
+    "manual-tp": ("llama", lambda: ParallelFlags.parse("data=2,tensor=4", "dp+tp", manual=True)),
+    "manual-sp": ("gpt", lambda: ParallelFlags.parse("data=2,tensor=4", "dp+sp", manual=True)),
+    "zero1-auto": ("gpt", lambda: ParallelFlags.parse("data=8", "dp", zero=1)),
+    "zero2-auto": ("gpt", lambda: ParallelFlags.parse("data=8", "dp", zero=2)),
+    "zero1-manual": ("gpt", lambda: ParallelFlags.parse("data=8", "dp", zero=1, manual=True)),
+    "zero2-manual": ("gpt", lambda: ParallelFlags.parse("data=8", "dp", zero=2, manual=True)),
     "context-ring": ("llama", lambda: Strategy(par.make_mesh("context=4,data=2"), "dp",
                                                parts=(Context("ring", block=4),))),
     "context-allgather": ("gpt", lambda: Strategy(par.make_mesh("context=2,tensor=2,fsdp=2"), "fsdp+tp",
                                                   parts=(Context("allgather", block=4),))),
     "context-ulysses": ("llama", lambda: Strategy(par.make_mesh("context=2,data=4"), "dp",
                                                   parts=(Context("ulysses"),))),
-    "pipeline-gpipe": ("gpt", lambda: Strategy.parse("pipeline=4,data=2", "dp", pipeline="gpipe", microbatches=4)),
-    "pipeline-1f1b": ("llama", lambda: Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)),
-    "pipeline-interleaved": ("llama", lambda: Strategy.parse("pipeline=2,data=2,tensor=2", "tp",
+    "pipeline-gpipe": ("gpt", lambda: ParallelFlags.parse("pipeline=4,data=2", "dp", pipeline="gpipe", microbatches=4)),
+    "pipeline-1f1b": ("llama", lambda: ParallelFlags.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)),
+    "pipeline-interleaved": ("llama", lambda: ParallelFlags.parse("pipeline=2,data=2,tensor=2", "tp",
                                                              pipeline="interleaved", microbatches=2)),
-    "pipeline-zero2": ("gpt", lambda: Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2,
+    "pipeline-zero2": ("gpt", lambda: ParallelFlags.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2,
                                                      zero=2)),
-    "expert": ("moe", lambda: Strategy.parse("expert=8", "dp")),
-    "expert-data": ("moe", lambda: Strategy.parse("expert=4,data=2", "dp")),
-    "expert-fsdp-tp": ("moe", lambda: Strategy.parse("expert=2,fsdp=2,tensor=2", "fsdp+tp")),
+    "expert": ("moe", lambda: ParallelFlags.parse("expert=8", "dp")),
+    "expert-data": ("moe", lambda: ParallelFlags.parse("expert=4,data=2", "dp")),
+    "expert-fsdp-tp": ("moe", lambda: ParallelFlags.parse("expert=2,fsdp=2,tensor=2", "fsdp+tp")),
     # MoE with the sequence split (zigzag: the capacity path must serve tokens by true position)
     # and on the manual path; the loss holds the router losses, `moe_balance` is compared too.
     "moe-context-ring": ("moe", lambda: Strategy(par.make_mesh("context=4,data=2"), "dp",
@@ -146,8 +147,8 @@ CASES = {
                                                     parts=(Context("ulysses"),))),
     "moe-context-expert": ("moe", lambda: Strategy(par.make_mesh("context=2,expert=2,data=2"), "dp",
                                                    parts=(Context("ring", block=4),))),
-    "moe-manual-dp": ("moe", lambda: Strategy.parse("data=8", "dp", manual=True)),
-    "moe-manual-tp": ("moe", lambda: Strategy.parse("data=4,tensor=2", "dp+tp", manual=True)),  # 2 heads
+    "moe-manual-dp": ("moe", lambda: ParallelFlags.parse("data=8", "dp", manual=True)),
+    "moe-manual-tp": ("moe", lambda: ParallelFlags.parse("data=4,tensor=2", "dp+tp", manual=True)),  # 2 heads
 }
 
 

@@ -16,17 +16,17 @@ import pytest
 import eqgpt
 from eqgpt.data import Batch
 from eqgpt.nn import GPT
-from eqgpt.parallel import Offload, Strategy, make_mesh
+from eqgpt.parallel import Offload, ParallelFlags, Strategy, make_mesh
 from eqgpt.profile import memory
 from eqgpt.train import TrainState, make_train_step
 
 CONFIG = eqgpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=2, num_heads=4, embed_dim=64)
 OPTIMIZER = optax.adamw(1e-3)
 CASES = {
-    "single": lambda offload: Strategy.parse(offload_opt_state=offload),
-    "fsdp": lambda offload: Strategy.parse("fsdp=8", "fsdp", offload_opt_state=offload),
-    "zero1": lambda offload: Strategy.parse("data=8", "dp", zero=1, offload_opt_state=offload),
-    "fsdp-params": lambda offload: Strategy.parse("fsdp=8", "fsdp", offload_opt_state=offload,
+    "single": lambda offload: ParallelFlags.parse(offload_opt_state=offload),
+    "fsdp": lambda offload: ParallelFlags.parse("fsdp=8", "fsdp", offload_opt_state=offload),
+    "zero1": lambda offload: ParallelFlags.parse("data=8", "dp", zero=1, offload_opt_state=offload),
+    "fsdp-params": lambda offload: ParallelFlags.parse("fsdp=8", "fsdp", offload_opt_state=offload,
                                                   offload_params=offload),
 }
 

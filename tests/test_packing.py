@@ -138,11 +138,11 @@ def test_packed_document_equals_alone_under_context_parallelism(impl):
 @pytest.mark.parametrize("flags", [dict(pipeline="1f1b", microbatches=2), dict(manual=True)],
                          ids=["pipeline", "manual"])
 def test_pipeline_and_manual_paths_refuse_per_row_positions(flags):
-    from eqgpt.parallel import Strategy
+    from eqgpt.parallel import ParallelFlags
 
     packed, _, _ = two_documents()
     rows = jax.tree.map(lambda x: np.tile(np.asarray(x), (8, 1)), packed)
-    strategy = Strategy.parse("pipeline=2,data=4" if "pipeline" in flags else "data=8", "dp", **flags)
+    strategy = ParallelFlags.parse("pipeline=2,data=4" if "pipeline" in flags else "data=8", "dp", **flags)
     model = strategy.place_model(make_model("rope"))
     with pytest.raises(ValueError, match="Batch.positions"):  # before anything compiles
         strategy.grad_fn(model_like=model)(model, strategy.batch(rows))

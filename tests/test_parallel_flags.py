@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import tyro
 
-from eqgpt.parallel import Manual, ParallelFlags, Pipeline, Strategy, Zero
+from eqgpt.parallel import Manual, ParallelFlags, Pipeline, Zero
 from eqgpt.parallel.part import Part
 from recipe_runs import load_recipe
 
@@ -97,9 +97,9 @@ def test_bad_flags_name_the_flag(values, match):
 
 
 def test_parse_keywords_are_the_flags():
-    assert Strategy.parse("data=8", "dp", manual=True, bucket_mb=1.0).parts == (Manual(bucket_mb=1.0),)
+    assert ParallelFlags.parse("data=8", "dp", manual=True, bucket_mb=1.0).parts == (Manual(bucket_mb=1.0),)
     with pytest.raises(TypeError, match="unknown parallelism flags"):
-        Strategy.parse("data=8", "dp", manul=True)
+        ParallelFlags.parse("data=8", "dp", manul=True)
 
 
 def test_the_recipe_logs_what_the_parts_say():
@@ -109,9 +109,9 @@ def test_the_recipe_logs_what_the_parts_say():
     from eqgpt.nn import GPT
 
     model = jax.eval_shape(lambda: GPT(preset("nano", num_layers=4, embed_dim=32, num_heads=2), key=jax.random.key(0)))
-    pipeline = Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)
+    pipeline = ParallelFlags.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)
     (note,) = pipeline.notes(model, (16, 32))
     assert note.startswith("1f1b: p=2 m=2") and "layers per virtual stage 2,2 (equal)" in note
-    manual = Strategy.parse("data=8", "dp", manual=True, bucket_mb=0.01)
+    manual = ParallelFlags.parse("data=8", "dp", manual=True, bucket_mb=0.01)
     assert manual.notes(model, (16, 32))[0].startswith("gradient all-reduces per step:")
-    assert Strategy.parse("data=8", "dp").notes(model, (16, 32)) == []
+    assert ParallelFlags.parse("data=8", "dp").notes(model, (16, 32)) == []

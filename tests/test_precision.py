@@ -15,8 +15,9 @@ import pytest
 import eqgpt
 from eqgpt import nn
 from eqgpt.data import Batch
+from eqgpt.parallel import ParallelFlags
 from eqgpt.precision import LossScale, MasterWeightsState
-from eqgpt.train import Policy, Strategy, TrainState, make_optimizer, make_train_step
+from eqgpt.train import Policy, TrainState, make_optimizer, make_train_step
 from helpers import assert_trees_close
 
 CONFIG = eqgpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=2, num_heads=4, embed_dim=64)
@@ -160,7 +161,7 @@ def test_master_weights_keep_updates_bf16_parameters_would_lose():
 
 def test_pipeline_under_bf16_runs_in_bf16():
 
-    strategy = Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)
+    strategy = ParallelFlags.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2)
     m = strategy.place_model(model())
     optimizer = make_optimizer(1e-3)
     state = TrainState(m, strategy.init_opt_state(optimizer, m), rng=jax.random.key(1))
@@ -181,9 +182,9 @@ def test_pipeline_under_bf16_runs_in_bf16():
 
 
 EXPLICIT = {  # the strategies that differentiate inside their own shard_map
-    "pipeline-1f1b": lambda: Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2),
-    "manual-dp-tp": lambda: Strategy.parse("data=4,tensor=2", "dp+tp", manual=True),
-    "manual-zero2": lambda: Strategy.parse("data=8", "dp", manual=True, zero=2),
+    "pipeline-1f1b": lambda: ParallelFlags.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2),
+    "manual-dp-tp": lambda: ParallelFlags.parse("data=4,tensor=2", "dp+tp", manual=True),
+    "manual-zero2": lambda: ParallelFlags.parse("data=8", "dp", manual=True, zero=2),
 }
 
 

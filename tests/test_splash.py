@@ -143,6 +143,7 @@ def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules, parts):
 
     from eqgpt.data.batch import Batch
     from eqgpt.nn import GPT
+    from eqgpt.parallel import ParallelFlags
     from eqgpt.train import Strategy
 
     cfg = eqgpt.preset("nano", attention_kernel="splash", num_kv_heads=2)
@@ -155,7 +156,7 @@ def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules, parts):
         return float(loss), [np.asarray(x) for x in jax.tree.leaves(g)]
 
     loss1, g1 = grads(Strategy())
-    loss8, g8 = grads(Strategy.parse(mesh, rules, **parts))
+    loss8, g8 = grads(ParallelFlags.parse(mesh, rules, **parts))
     assert abs(loss8 - loss1) < 1e-5
     for a, b in zip(g8, g1, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ import pytest
 import eqgpt.parallel.strategy as strategy_module
 from eqgpt.data import Batch
 from eqgpt.nn import GPT
-from eqgpt.parallel import Context, Pipeline, Strategy, make_mesh
+from eqgpt.parallel import Context, ParallelFlags, Pipeline, Strategy, make_mesh
 from eqgpt.parallel.part import Part
 from eqgpt.train import TrainState, make_train_step
 from helpers import TINY
@@ -95,7 +95,7 @@ def test_a_part_folds_after_the_built_in_ones():
 
 
 def test_parts_fold_in_a_fixed_order():
-    strategy = Strategy.parse("data=8", "dp", zero=1, manual=True, offload_opt_state=True)
+    strategy = ParallelFlags.parse("data=8", "dp", zero=1, manual=True, offload_opt_state=True)
     assert [type(p).__name__ for p in strategy.parts] == ["Zero", "Manual", "Offload"]
     assert strategy.describe() == "dp | zero1 | manual | optimizer state on host"
     ctx = Strategy(make_mesh("pipeline=2,context=2,tensor=2"), "tp", parts=(Context("ring"), Pipeline()))

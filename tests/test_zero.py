@@ -17,6 +17,7 @@ import pytest
 import eqgpt
 from eqgpt import nn
 from eqgpt import parallel as par
+from eqgpt.parallel import ParallelFlags
 from eqgpt.parallel.zero import ZeroPlacement, zero_dim
 from eqgpt.profile import collectives, memory
 from eqgpt.train import Strategy, TrainState, make_optimizer, make_train_step
@@ -34,7 +35,7 @@ OPTIMIZER = make_optimizer(1e-3, clip_norm=0.5, weight_decay=0.1)
 @functools.cache
 def run(mesh: str, rules: str, zero: int = 0, manual: bool = False):
     """5 steps of `make_train_step`: losses, final arrays, compiled step, strategy, start state."""
-    strategy = Strategy.parse(mesh, rules, zero=zero, manual=manual)
+    strategy = ParallelFlags.parse(mesh, rules, zero=zero, manual=manual)
     model = strategy.init_model(lambda k: nn.GPT(CONFIG, key=k), jax.random.key(0))
     state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(1))
     step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
@@ -79,7 +80,7 @@ def test_zero2_with_tensor_parallelism_trains_like_data_parallelism():
 
 @functools.cache
 def pipeline_run(zero: int):
-    strategy = Strategy.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2, zero=zero)
+    strategy = ParallelFlags.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2, zero=zero)
     model = strategy.init_model(lambda k: nn.GPT(CONFIG, key=k), jax.random.key(0))
     state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(1))
     step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
@@ -173,4 +174,4 @@ def test_zero_configuration_errors():
         Strategy(par.make_mesh("data=4,tensor=2"), "dp+tp", parts=(par.Manual(), par.Zero(2)))
     with pytest.raises(ValueError, match="needs a mesh"):
         Strategy(parts=(par.Zero(1),))
-    assert Strategy.parse("data=8", "dp", zero=2).describe() == "dp | zero2"
+    assert ParallelFlags.parse("data=8", "dp", zero=2).describe() == "dp | zero2"

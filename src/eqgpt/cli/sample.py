@@ -84,12 +84,12 @@ def main(cfg: SampleConfig) -> list[str]:
     if cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     from eqgpt.data import load_tokenizer
-    from eqgpt.parallel import Strategy
+    from eqgpt.parallel import ParallelFlags
     from eqgpt.sample import generate_text
     from eqgpt.train import load_model
 
     try:
-        strategy = Strategy.parse(cfg.mesh, cfg.strategy) if cfg.mesh else None
+        strategy = ParallelFlags.parse(cfg.mesh, cfg.strategy) if cfg.mesh else None
     except ValueError as e:
         hint = " On a CPU, --cpu-devices N simulates N devices." if "devices" in str(e) and not cfg.cpu_devices else ""
         raise ValueError(f"--mesh {cfg.mesh}: {e}{hint}") from None

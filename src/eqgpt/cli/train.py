@@ -535,12 +535,7 @@ def main(cfg: TrainConfig) -> dict:
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
-    n_params = sum(x.size for x in jax.tree.leaves(model_like))
-    log(f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
-        f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len}, {kernel_choice(model_cfg, policy)} | "
-        f"corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M "
-        f"train / {len(corpus.val) / 1e6:.2f}M val tokens | {strategy!r} | "
-        f"peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
+    log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))
     val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
            if cfg.eval_windows else None)
     trainer = Trainer(
@@ -558,6 +553,15 @@ def main(cfg: TrainConfig) -> dict:
     if resumed is None and cfg.out_dir is None:
         point_latest(out)  # runs/latest: only a run that trains
     return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
+
+
+def model_line(cfg: TrainConfig, model_cfg, model_like, policy, corpus, strategy: Strategy, peak: str) -> str:
+    """One line: the model, its kernel, the corpus, the strategy and the peak MFU is counted against."""
+    n_params = sum(x.size for x in jax.tree.leaves(model_like))
+    return (f"model {cfg.model.preset}: {n_params / 1e6:.2f}M params, {model_cfg.num_layers} layers x "
+            f"{model_cfg.embed_dim} wide, seq {model_cfg.seq_len}, {kernel_choice(model_cfg, policy)} | "
+            f"corpus {corpus.name}: {len(corpus.train) / 1e6:.1f}M train / {len(corpus.val) / 1e6:.2f}M val "
+            f"tokens | {strategy!r} | peak {peak}")
 
 
 def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy, model_like, model_cfg, corpus, log):

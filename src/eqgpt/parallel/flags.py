@@ -23,13 +23,17 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from eqgpt.parallel.context.part import Context
 from eqgpt.parallel.expert import Expert
 from eqgpt.parallel.manual import Manual
+from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.offload import Offload
 from eqgpt.parallel.overlap import Overlap
 from eqgpt.parallel.part import Part
 from eqgpt.parallel.pipeline.part import Pipeline
+from eqgpt.parallel.strategy import Strategy
 from eqgpt.parallel.zero import Zero
 
 
@@ -62,14 +66,9 @@ class ParallelFlags:
             if (part := getattr(self, name)) is not None:
                 part.before_backend()
 
-    def strategy(self):
+    def strategy(self) -> Strategy:
         """The `eqgpt.parallel.Strategy` (without --mesh: one device, or with several processes
         data parallelism over all their devices)."""
-        import jax
-
-        from eqgpt.parallel.mesh import make_mesh
-        from eqgpt.parallel.strategy import Strategy  # which builds from these flags in `parse`
-
         parts = self.parts()
         mesh = self.mesh or ("data=-1" if jax.process_count() > 1 else "")
         return Strategy(make_mesh(mesh) if mesh else None, self.rules, parts=parts)
@@ -101,8 +100,19 @@ class ParallelFlags:
         return ("mesh", "strategy", *dict.fromkeys(f for flags in _table(cls).values() for f in flags))
 
     @classmethod
+    def parse(cls, mesh: str = "", rules: str = "dp", **flags: Any) -> Strategy:
+        """A strategy from recipe flags, as keywords: `ParallelFlags.parse("pipeline=2,data=4", "dp",
+        pipeline="1f1b", microbatches=8, context="ring", manual=True, zero=1, ...)`.
+
+        **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
+        `rules` (presets joined by `+`), and any flag by its name without dashes
+        (`pipeline_layers="4,4,4,0"`, `offload_params=True`, ...).
+        """
+        return Strategy(make_mesh(mesh) if mesh else None, rules, parts=cls.parts_of(flags))
+
+    @classmethod
     def parts_of(cls, values: dict[str, Any]) -> tuple[Part, ...]:
-        """The parts of flag values (`Strategy.parse`'s keywords)."""
+        """The parts of flag values (`parse`'s keywords)."""
         return cls.from_flags(values).parts()
 
 

@@ -40,8 +40,6 @@ from jaxtyping import PRNGKeyArray, PyTree
 from eqgpt.data.batch import Batch
 from eqgpt.nn.loss import lm_batch_loss
 from eqgpt.parallel.auto import check_divisibility
-from eqgpt.parallel.flags import ParallelFlags
-from eqgpt.parallel.mesh import make_mesh
 from eqgpt.parallel.part import KINDS, GradFn, LossFn, Part, Update
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
 from eqgpt.parallel.rules import Rules, preset_rules
@@ -72,7 +70,7 @@ class Strategy:
       `Pipeline`, `Context`, `Expert` (implied whenever the mesh's `expert` axis is > 1),
       `Zero`, `Manual`, `Offload`, `Overlap`, or your own. Kept sorted by their `order`.
 
-    Build from flags with `Strategy.parse("data=2,tensor=2", "dp+tp", ...)` or
+    Build from flags with `ParallelFlags.parse("data=2,tensor=2", "dp+tp", ...)` or
     `eqgpt.parallel.ParallelFlags(...).strategy()`.
     """
 
@@ -114,17 +112,6 @@ class Strategy:
         )
 
     # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def parse(cls, mesh: str = "", rules: str = "dp", **flags: Any) -> Strategy:
-        """A strategy from recipe flags, as keywords: `Strategy.parse("pipeline=2,data=4", "dp",
-        pipeline="1f1b", microbatches=8, context="ring", manual=True, zero=1, ...)`.
-
-        **Arguments:** `mesh` ("" for one device, else e.g. "pipeline=2,data=2,tensor=2"),
-        `rules` (presets joined by `+`), and any flag of `eqgpt.parallel.ParallelFlags` by
-        its name without dashes (`pipeline_layers="4,4,4,0"`, `offload_params=True`, ...).
-        """
-        return cls(make_mesh(mesh) if mesh else None, rules, parts=ParallelFlags.parts_of(flags))
 
     def part(self, kind: type[P]) -> P | None:
         """The strategy's part of class `kind` (`strategy.part(Pipeline)`), or `None`."""

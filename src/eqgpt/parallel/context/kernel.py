@@ -36,6 +36,8 @@ from eqgpt.parallel.context.ring import ring_attention
 from eqgpt.parallel.context.ulysses import ulysses_attention
 
 Impl = Literal["ring", "allgather", "ulysses"]
+DEFAULT_BLOCK = 128
+"""The blockwise kernel's tile on each device (ring and all-gather) unless a `Context` says otherwise."""
 IMPLS: tuple[str, ...] = ("ring", "allgather", "ulysses")
 
 

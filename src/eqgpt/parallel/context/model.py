@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from eqgpt.nn.attention import Attention
-from eqgpt.parallel.context.kernel import ContextKernel
+from eqgpt.parallel.context.kernel import DEFAULT_BLOCK, ContextKernel
 
 
 def _is_attention(x) -> bool:
@@ -48,10 +48,9 @@ def use_context_attention(
 
     **Returns:** the model; its arrays are the same objects.
     """
-    if isinstance(config, str):
-        from eqgpt.parallel.context.part import Context  # the part installs through this module
-
-        config = Context(impl=config)
+    # A bare implementation name takes `Context`'s defaults: the `context` axis, `DEFAULT_BLOCK` tiles.
+    impl, axis, block = ((config, "context", DEFAULT_BLOCK) if isinstance(config, str)
+                         else (config.impl, config.axis, config.block))
     found = []
 
     def swap(attn):
@@ -59,9 +58,8 @@ def use_context_attention(
             return attn
         found.append(attn)
         base = attn.kernel.replaces if isinstance(attn.kernel, ContextKernel) else attn.kernel
-        kernel = ContextKernel(mesh, config.impl, axis=config.axis, block_q=block_q or config.block,
-                               block_k=block_k or config.block, replaces=base,
-                               batch_axes=tuple(a for a in batch_axes if a in mesh.shape and a != config.axis))
+        kernel = ContextKernel(mesh, impl, axis=axis, block_q=block_q or block, block_k=block_k or block,
+                               replaces=base, batch_axes=tuple(a for a in batch_axes if a in mesh.shape and a != axis))
         return attn.with_kernel(kernel)
 
     out = jax.tree.map(swap, model, is_leaf=_is_attention)

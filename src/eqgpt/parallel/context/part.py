@@ -14,7 +14,7 @@ import jax
 from jaxtyping import PyTree
 
 from eqgpt.nn.attention import Attention
-from eqgpt.parallel.context.kernel import IMPLS, Impl
+from eqgpt.parallel.context.kernel import DEFAULT_BLOCK, IMPLS, Impl
 from eqgpt.parallel.context.layout import check_layout
 from eqgpt.parallel.context.loss import context_loss_fn, context_rules
 from eqgpt.parallel.context.model import strip_context_attention, use_context_attention
@@ -39,7 +39,7 @@ class Context(Part):
      "heads divisible by context) attention.")
     ordering: Literal["zigzag", "contiguous"] = "zigzag"
     """Order of the sequence over the context devices (zigzag balances causal work)."""
-    block: int = 128
+    block: int = DEFAULT_BLOCK
     """Tile size of the blockwise kernel on each device (ring and all-gather)."""
     axis: str = "context"
     """The mesh axis the sequence is split over."""
