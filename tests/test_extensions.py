@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import eqgpt
-from eqgpt.nn import Attention, Block, LayerNorm, Linear, NoConstraint, register_block
+from eqgpt.nn import ActivationHook, Attention, Block, LayerNorm, Linear, NoConstraint, register_block
 from eqgpt.nn.kernels import get_kernel, register_kernel
 import equinox as eqx
 
@@ -30,7 +30,7 @@ def mine(q, k, v, **kw):
 class SquaredReLU(eqx.Module):
     up: Linear
     down: Linear
-    shard: NoConstraint
+    shard: ActivationHook
 
     def __init__(self, dim, hidden, *, key):
         k1, k2 = jax.random.split(key)

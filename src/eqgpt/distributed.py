@@ -333,6 +333,12 @@ def initialize(
             f"registered this one as {jax.process_index()}. Give every process the same "
             f"{ENV_NUM_PROCESSES}."
         )
+    # Open the processes' collective context now, while they start together: on CPU its first use
+    # times out (gloo, 30 s) when one process reaches it much later than another, as after a
+    # compile that a loaded machine slows down for one process only.
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("eqgpt.distributed.initialize")
     _SETTINGS = settings
     return settings
 

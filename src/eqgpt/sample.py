@@ -169,20 +169,22 @@ def generate(
 
 
 def on_one_device(model: GPT) -> GPT:
-    """`model` gathered onto this process's first device, its activation hooks back to no
-    constraint and its MoE layers dispatching locally: what `generate` runs, whatever mesh and
-    strategy trained it (every process of a multi-process run must call it; each gets the whole model)."""
+    """`model` gathered onto this process's first device, with what any strategy installed
+    undone (`Part.unprepare`: context kernels, expert dispatch) and its activation hooks back
+    to no constraint: what `generate` runs, whatever mesh and strategy trained it (every
+    process of a multi-process run must call it; each gets the whole model)."""
     from eqgpt.nn.axes import NoConstraint, map_constraints
-    from eqgpt.nn.moe import LocalExperts
-    from eqgpt.parallel.expert import use_dispatch
+    from eqgpt.parallel.part import KINDS
 
+    for kind in KINDS:
+        model = kind.unprepare(model)
     arrays, static = eqx.partition(map_constraints(model, lambda _path, _hook: NoConstraint()), eqx.is_array)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         arrays = multihost_utils.process_allgather(arrays, tiled=True)
     arrays = jax.device_put(jax.device_get(arrays), jax.local_devices()[0])
-    return use_dispatch(eqx.combine(arrays, static), LocalExperts())
+    return eqx.combine(arrays, static)
 
 
 def _cut(text: str, start: int, stops: Sequence[str]) -> str:

@@ -1,7 +1,7 @@
 """Typed Equinox modules for GPT models. Nothing here knows about devices."""
 
 from eqgpt.nn.attention import Attention, KVCache
-from eqgpt.nn.axes import REGION_INPUT, LogicalAxes, NoConstraint, logical_axes, map_constraints
+from eqgpt.nn.axes import REGION_INPUT, ActivationHook, LogicalAxes, NoConstraint, logical_axes, map_constraints
 from eqgpt.nn.block import Block
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.factory import block_names, get_block, register_block
@@ -21,6 +21,7 @@ __all__ = [
     "LayerNorm", "RMSNorm", "Mask", "CausalMask", "DocumentMask", "FullMask",
     "SlidingWindowMask", "make_mask", "apply_rope", "make_block", "lm_loss",
     "chunked_cross_entropy", "chunked_loss_sums", "head_loss_sums", "logical_axes", "map_constraints", "LogicalAxes",
+    "ActivationHook",
     "NoConstraint",
     "REGION_INPUT", "register_block", "get_block", "block_names",
 ]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqgpt.nn.axes import REGION_INPUT, NoConstraint
+from eqgpt.nn.axes import REGION_INPUT, ActivationHook, NoConstraint
 from eqgpt.nn.kernels import Kernel, get_kernel
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mask import CausalMask, Mask
@@ -39,7 +39,7 @@ class Attention(eqx.Module):
     v_proj: Linear
     o_proj: Linear
     mask: Mask
-    shard: NoConstraint
+    shard: ActivationHook
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)

@@ -18,6 +18,7 @@ sequence parallelism can shard one and not the other.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,22 @@ ACTIVATION_AXES = WEIGHT_AXES + ("inner_seq",)
 REGION_INPUT: tuple[str, ...] = ("batch", "inner_seq", "embed")
 
 
-class NoConstraint(eqx.Module):
+class ActivationHook(eqx.Module):
+    """What a module's `shard` field holds: called on each activation with its logical names,
+    and asked by `GPT` to run the layer stack. Parallel parts subclass it (a sharding
+    constraint, a tensor-parallel region, a prefetching stack)."""
+
+    @abc.abstractmethod
+    def __call__(self, x: Array, names: AxisNames) -> Array:
+        """`x`, constrained as its logical `names` (one per dimension) say."""
+
+    def run_stack(self, layer: Callable, x: PyTree, stacked: PyTree, *, unroll: int | bool = 1):
+        """`layer(h, params) -> (h, ys)` over the stacked layers: `jax.lax.scan` (a hook may run
+        it its own way: `eqgpt.parallel.overlap` prefetches each next layer's weights)."""
+        return jax.lax.scan(layer, x, stacked, unroll=unroll)
+
+
+class NoConstraint(ActivationHook):
     """The activation hook of an undistributed model: returns `x` unchanged."""
 
     def __call__(self, x: Array, names: AxisNames) -> Array:
@@ -101,7 +117,7 @@ def map_constraints(
     `path` is the JAX key path of the hook, e.g. `(.blocks, .attn, .shard)`, so a
     caller can give one module its own rules.
     """
-    is_hook = lambda x: isinstance(x, NoConstraint) or getattr(x, "_is_constraint", False)  # noqa: E731
+    is_hook = lambda x: isinstance(x, ActivationHook)  # noqa: E731
     return jax.tree_util.tree_map_with_path(
         lambda p, x: fn(p, x) if is_hook(x) else x, model, is_leaf=is_hook
     )

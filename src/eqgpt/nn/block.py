@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.attention import KVCache
-from eqgpt.nn.axes import NoConstraint
+from eqgpt.nn.axes import ActivationHook, NoConstraint
 from eqgpt.nn.moe import MoEStats, mlp_with_stats
 from eqgpt.nn.remat import apply_remat, remat_policy
 
@@ -32,7 +32,7 @@ class Block(eqx.Module):
     attn: eqx.Module
     mlp_norm: eqx.Module
     mlp: eqx.Module
-    shard: NoConstraint
+    shard: ActivationHook
     remat: str = eqx.field(static=True)
 
     def __init__(

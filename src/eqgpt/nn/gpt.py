@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqgpt.config import GPTConfig
 from eqgpt.nn.attention import Attention, KVCache
-from eqgpt.nn.axes import NoConstraint
+from eqgpt.nn.axes import ActivationHook, NoConstraint
 from eqgpt.nn.block import Block, LayerGroup
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.factory import factory_path
@@ -78,7 +78,7 @@ class GPT(eqx.Module):
     blocks: eqx.Module
     norm: LayerNorm | RMSNorm
     head: Linear | None
-    shard: NoConstraint
+    shard: ActivationHook
     config: GPTConfig = eqx.field(static=True)
     block_factory_path: str = eqx.field(static=True)  # `module:name` of the factory that built the blocks
 
@@ -198,9 +198,8 @@ class GPT(eqx.Module):
                     return block.with_stats(h, positions=positions, segment_ids=segment_ids, **extra)
                 return block(h, positions=positions, segment_ids=segment_ids, **extra), None
 
-        # A strategy may run the stack its own way through the hook (eqgpt.parallel.overlap prefetches weights).
-        scan = getattr(self.shard, "run_stack", None) or jax.lax.scan
-        x, stats = scan(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
+        # The hook runs the stack: a scan, or a strategy's own way (eqgpt.parallel.overlap prefetches weights).
+        x, stats = self.shard.run_stack(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
 
     def features(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqgpt.nn.axes import REGION_INPUT, NoConstraint
+from eqgpt.nn.axes import REGION_INPUT, ActivationHook, NoConstraint
 from eqgpt.nn.linear import Linear
 
 
@@ -39,7 +39,7 @@ class MLP(eqx.Module):
 
     up: Linear
     down: Linear
-    shard: NoConstraint
+    shard: ActivationHook
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class SwiGLU(eqx.Module):
     gate: Linear
     up: Linear
     down: Linear
-    shard: NoConstraint
+    shard: ActivationHook
 
     def __init__(
         self,

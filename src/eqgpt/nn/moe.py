@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqgpt.config import MoEConfig
-from eqgpt.nn.axes import REGION_INPUT, NoConstraint
+from eqgpt.nn.axes import REGION_INPUT, ActivationHook, NoConstraint
 from eqgpt.nn.kernels.grouped import grouped_matmul
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mlp import MLP, SwiGLU, gelu_tanh
@@ -211,7 +211,7 @@ class MoE(eqx.Module):
     experts: Experts
     shared: MLP | SwiGLU | None
     dispatch: eqx.Module
-    shard: NoConstraint
+    shard: ActivationHook
     top_k: int = eqx.field(static=True)
     capacity_factor: float = eqx.field(static=True)
     dropless: bool = eqx.field(static=True)

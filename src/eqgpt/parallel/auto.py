@@ -16,14 +16,14 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from eqgpt.nn.axes import REGION_INPUT, LogicalAxes, logical_axes, map_constraints
+from eqgpt.nn.axes import REGION_INPUT, ActivationHook, LogicalAxes, logical_axes, map_constraints
 from eqgpt.parallel.rules import (
     REPLICATE_IF_INDIVISIBLE,
     AxisNames,
@@ -150,7 +150,7 @@ def param_shardings(model: PyTree, mesh: Mesh, rules: Rules, overrides: Override
     )
 
 
-class ShardingConstraint(eqx.Module):
+class ShardingConstraint(ActivationHook):
     """Activation hook pinning `x` to the layout its logical names imply on `mesh`.
 
     Installed in place of `eqgpt.nn.NoConstraint` by `with_constraints`. Uses
@@ -160,7 +160,6 @@ class ShardingConstraint(eqx.Module):
 
     mesh: Mesh = eqx.field(static=True)
     rules: Rules = eqx.field(static=True)
-    _is_constraint: ClassVar[bool] = True
 
     def __call__(self, x: Array, names: AxisNames) -> Array:
         """**Arguments:** `x` and one logical name per dimension. **Returns:** `x`, constrained."""

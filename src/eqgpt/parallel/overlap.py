@@ -30,7 +30,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
+from eqgpt.nn.axes import ActivationHook
 from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import entry_axes, is_spec
@@ -212,11 +213,11 @@ def _prefetched_bwd(plan, res, g):
 _prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)
 
 
-class PrefetchStack(eqx.Module):
+class PrefetchStack(ActivationHook):
     """The model's activation hook, also running its layer stack with prefetched weights.
 
-    `eqgpt.nn.GPT` runs its layers through `run_stack` when its `shard` hook has one
-    (else `jax.lax.scan`). This one gathers layer `i+1`'s weights in the iteration of
+    `eqgpt.nn.GPT` runs its layers through its hook's `run_stack` (`ActivationHook`'s is a
+    scan). This one gathers layer `i+1`'s weights in the iteration of
     layer `i` and carries them, and in the backward pass layer `i-1`'s in the
     iteration of layer `i` (see module docs).
 
@@ -228,7 +229,6 @@ class PrefetchStack(eqx.Module):
     mesh: Mesh = eqx.field(static=True)
     sharded: tuple[PartitionSpec, ...] = eqx.field(static=True)
     gathered: tuple[PartitionSpec, ...] = eqx.field(static=True)
-    _is_constraint: ClassVar[bool] = True
 
     def __call__(self, x: Array, names: tuple[str | None, ...]) -> Array:
         """The activation constraint of `inner`."""

@@ -45,8 +45,6 @@ the matmuls (`eqgpt.parallel.collective_matmul`).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -54,7 +52,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqgpt.nn.attention import Attention
-from eqgpt.nn.axes import REGION_INPUT, AxisNames, map_constraints
+from eqgpt.nn.axes import REGION_INPUT, ActivationHook, AxisNames, map_constraints
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
@@ -114,7 +112,7 @@ def _check_axis(axis: AxisName, size: int, what: str) -> None:
         )
 
 
-class TensorRegionHook(eqx.Module):
+class TensorRegionHook(ActivationHook):
     """The activation hook of the manual path: enters a tensor-parallel region.
 
     Called with `REGION_INPUT` names (`("batch", "inner_seq", "embed")`, at the input
@@ -126,7 +124,6 @@ class TensorRegionHook(eqx.Module):
     axis: str = eqx.field(static=True)
     sequence_parallel: bool = eqx.field(static=True, default=False)
     collective_matmul: bool = eqx.field(static=True, default=False)
-    _is_constraint: ClassVar[bool] = True
 
     def __call__(self, x: Array, names: AxisNames) -> Array:
         if x.ndim != len(names):
