@@ -7,7 +7,8 @@ localhost coordinator on a free port, `EQGPT_COORDINATOR` / `EQGPT_NUM_PROCESSES
 through gloo (or K GPUs each with `--platform gpu`).
 
 Every output line is prefixed with its rank (`[rank 1] ...`). When one process
-fails, the others are stopped (SIGTERM, then SIGKILL after `--grace` seconds).
+fails, the others are stopped (SIGTERM, then SIGKILL after `--grace` seconds), after
+`SETTLE_SECONDS` in which ranks failing for the same reason (a bad flag) say so too.
 
 Exit status:
 
@@ -51,6 +52,8 @@ ENV_PROCESS_ID = "EQGPT_PROCESS_ID"
 GLIBC_MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184:"
                          "glibc.malloc.arena_max=1")
 
+SETTLE_SECONDS = 3.0
+"""How long the other ranks may end by themselves after the first failure, before SIGTERM."""
 
 def restart_with_malloc_tunables() -> None:
     """Re-execute this Python process once with `GLIBC_MALLOC_TUNABLES` (Linux only; a no-op
@@ -180,6 +183,7 @@ def launch(
     if threading.current_thread() is threading.main_thread():
         old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     first_failure: tuple[int, int] | None = None
+    stop_at: float | None = None  # SIGTERM to the others, a moment after the first failure
     stop_deadline: float | None = None
     start = time.monotonic()
     status: int | None = None
@@ -201,8 +205,11 @@ def launch(
                 failed = [(rank, p.poll()) for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
                 if failed:
                     first_failure = culprit(failed)
-                    _signal_all(procs, signal.SIGTERM)
-                    stop_deadline = time.monotonic() + grace
+                    stop_at = time.monotonic() + min(SETTLE_SECONDS, grace)
+            if stop_at is not None and time.monotonic() > stop_at:
+                stop_at = None
+                _signal_all(procs, signal.SIGTERM)
+                stop_deadline = time.monotonic() + grace
             if stop_deadline is not None and time.monotonic() > stop_deadline:
                 _signal_all(procs, signal.SIGKILL)
             if timeout is not None and status is None and time.monotonic() - start > timeout:
