@@ -37,9 +37,10 @@ import eqgpt  # noqa: E402
 from eqgpt import nn  # noqa: E402
 from eqgpt.parallel import Strategy, make_mesh  # noqa: E402
 from eqgpt.profile import collectives  # noqa: E402
+from eqgpt.profile.roofline import TPU_HBM_BYTES_PER_S  # noqa: E402
 from eqgpt.sample import constrain_cache, sample_logits  # noqa: E402
 
-HBM = 819e9  # bytes/s, one v5e chip
+HBM = TPU_HBM_BYTES_PER_S["TPU v5 lite"]  # bytes/s, one v5e chip (eqgpt.profile.roofline)
 SMALL = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=8, embed_dim=32)
 MESHES = (("tensor=4", "tp"), ("data=2,tensor=4", "dp+tp"))
 
