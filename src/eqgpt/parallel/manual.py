@@ -48,14 +48,14 @@ from eqgpt.parallel.part import GradFn, LossFn, Part
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules
 from eqgpt.parallel.sequence import check_sequence_length
-from eqgpt.parallel.shard_map import filter_shard_map, is_spec
+from eqgpt.parallel.shard_map import filter_shard_map, is_spec, reduced_grad, token_count
 from eqgpt.parallel.tensor import (
     check_tensor_parallel,
     tensor_parallel,
     tensor_parallel_specs,
     vocab_parallel_loss_sums,
 )
-from eqgpt.precision import Policy, scale_value, unscale
+from eqgpt.precision import Policy, scale_value
 
 TENSOR = "tensor"
 
@@ -165,8 +165,7 @@ class _Plan:
 
     def local_loss(self, params, static, batch: Batch):
         """Per-device objective `sum(nll of my rows) / count(all rows)`, and the (nll, z) means."""
-        mask = jnp.ones(batch.shape, jnp.float32) if batch.loss_mask is None else batch.loss_mask.astype(jnp.float32)
-        count = jnp.maximum(all_reduce(jnp.sum(mask), self.dp) if self.dp else jnp.sum(mask), 1.0)
+        count = token_count(batch.loss_mask, batch.shape, self.dp)
         model = eqx.combine(self.policy.cast_to_compute(params), static)
         # Leaf layers -> tensor-parallel forms, hooks -> region entries; only inside this trace.
         model = tensor_parallel(model, size=self.tp, axis=TENSOR, sequence_parallel=self.sp, seq_len=batch.shape[1],
@@ -208,14 +207,12 @@ class _Plan:
         leaves, treedef = jax.tree.flatten(params)
         params = jax.tree.unflatten(treedef, [to_varying(p, ax) if ax else p
                                               for p, ax in zip(leaves, self.grad_axes, strict=True)])
+        (loss, aux), grads = reduced_grad(lambda p: self.local_loss(p, static, batch), params, scale, self.reduce)
+        return self.finish(loss, *aux), grads
 
-        def scaled(params):
-            loss, aux = self.local_loss(params, static, batch)
-            return loss * scale, (loss, aux)
-
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-        grads = reduce_gradients(grads, self.grad_axes, bucket_bytes=self.bucket_bytes)
-        return self.finish(loss, *aux), unscale(grads, scale)
+    def reduce(self, grads):
+        """The devices' gradients all-reduced (in fp32) over their data (and, under SP, tensor) axes."""
+        return reduce_gradients(grads, self.grad_axes, bucket_bytes=self.bucket_bytes)
 
     def local_forward(self, model, batch):
         params, static = eqx.partition(model, eqx.is_array)

@@ -6,19 +6,32 @@ is split with `eqx.partition` into its arrays, which go through `shard_map`, and
 the rest, which is closed over and recombined inside. Results are split the same
 way. Specs are pytrees with a `PartitionSpec` at each array leaf (the shape
 `eqgpt.parallel.param_specs` returns), or one `PartitionSpec` for a whole argument.
+
+The edges of a manual training step under `shard_map` (the manual path's, manual
+ZeRO's, the pipeline's), where each device sees its own tokens: its loss is
+normalised by the *global* token count (`token_count` over the axes that split the
+tokens), so the devices' shares add up to the whole batch's mean, also with loss
+masks; `reduced_grad` runs the backward pass on `loss * scale` (the dynamic loss
+scale, 1 without it), reduces the gradients by the caller's reduction (the manual
+path's all-reduce, ZeRO-2's reduce-scatter) and divides them by the scale. The
+pipeline runs its own backward (a vjp per tick, seeded with the scale).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
+from eqgpt.parallel.collectives import AxisName, all_reduce
 from eqgpt.parallel.rules import is_spec
+from eqgpt.precision import unscale
 
 
 def array_specs(specs: PyTree) -> PyTree:
@@ -117,3 +130,28 @@ def place(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
     dynamic, static = eqx.partition(tree, eqx.is_array)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), array_specs(specs), is_leaf=is_spec)
     return eqx.combine(jax.device_put(dynamic, shardings), static)
+
+
+# ------------------------------------------------------------------ the edges of a manual step
+
+
+def token_count(mask: Array | None, shape: tuple[int, ...], axes: AxisName = ()) -> Array:
+    """The loss tokens of a block of `shape` (`mask`'s sum; all of them without a mask), summed
+    over `axes` (none: this device's), and at least 1: the fp32 divisor of a loss."""
+    local = jnp.float32(math.prod(shape)) if mask is None else jnp.sum(mask.astype(jnp.float32))
+    return jnp.maximum(all_reduce(local, axes) if axes else local, 1.0)
+
+
+def reduced_grad(
+    loss_fn: Callable[[PyTree], tuple[Array, PyTree]], params: PyTree, scale: Array,
+    reduce: Callable[[PyTree], PyTree],
+) -> tuple[tuple[Array, PyTree], PyTree]:
+    """`((loss, aux), grads)` of `loss_fn(params) -> (loss, aux)` on this device: the gradients
+    of `loss * scale`, reduced over the devices by `reduce(grads)`, then divided by `scale`."""
+
+    def scaled(p):
+        loss, aux = loss_fn(p)
+        return loss * scale, (loss, aux)  # the backward pass runs on the scaled loss
+
+    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    return (loss, aux), unscale(reduce(grads), scale)

@@ -63,7 +63,7 @@ from eqgpt.parallel.collectives import (
 from eqgpt.parallel.part import GradFn, Part, Update
 from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules, entry_axes, is_spec
-from eqgpt.parallel.shard_map import filter_shard_map
+from eqgpt.parallel.shard_map import filter_shard_map, reduced_grad, token_count
 from eqgpt.precision import Policy, scale_value
 
 ZERO_AXIS = "data"
@@ -104,6 +104,11 @@ def zero_specs(params: PyTree, mesh: Mesh, rules: Rules, overrides=None, axis: s
     specs = param_specs(params, rules, overrides, mesh=mesh)
     return jax.tree.map(lambda s, x: zero_spec(tuple(x.shape), s, mesh, axis) if is_spec(s) else s,
                         specs, params, is_leaf=is_spec)
+
+
+def _zero_dims(tree: PyTree, mesh: Mesh, axis: str) -> list[int | None]:
+    """The `zero_dim` of every array of `tree` (replicated), in leaf order."""
+    return [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(tree)]
 
 
 def _shardings(mesh: Mesh, specs: PyTree) -> PyTree:
@@ -204,7 +209,7 @@ def zero_update(update: Update, mesh: Mesh, *, stage: int, rules: Rules, overrid
 
     def manual_update(grads, opt_state, params):
         specs = zero_specs(params, mesh, rules, overrides, axis)
-        dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
+        dims = _zero_dims(params, mesh, axis)
         if any(entry_axes(e) for s in jax.tree.leaves(param_specs(params, rules, overrides, mesh=mesh),
                                                        is_leaf=is_spec) for e in s):
             raise ValueError("the manual ZeRO update supports data parallelism only (replicated parameters); "
@@ -256,34 +261,29 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}.")
 
+    def reduce(grads):  # in fp32: ZeRO-2 reduce-scatters along each `zero_dim`, else all-reduce
+        leaves, treedef = jax.tree.flatten(grads)
+        dims = _zero_dims(leaves, mesh, axis)
+        summed = [reduce_scatter(g.astype(jnp.float32), axis, dim=d) if stage == 2 and d is not None
+                  else all_reduce(g.astype(jnp.float32), axis) for g, d in zip(leaves, dims, strict=True)]
+        return jax.tree.unflatten(treedef, [s.astype(g.dtype) for s, g in zip(summed, leaves, strict=True)])
+
     def local(model, batch, scale):
         params, static = eqx.partition(model, eqx.is_array)
-        dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
-        params = to_varying(params, axis)
-        mask = (jnp.ones(batch.tokens.shape, jnp.float32) if batch.loss_mask is None
-                else batch.loss_mask.astype(jnp.float32))
-        mine = jnp.maximum(jnp.sum(mask), 1.0)
-        weight = mine / jnp.maximum(all_reduce(jnp.sum(mask), axis), 1.0)
+        shape = batch.tokens.shape
+        weight = token_count(batch.loss_mask, shape) / token_count(batch.loss_mask, shape, axis)
 
         def loss_of(p):
             m = map_constraints(eqx.combine(policy.cast_to_compute(p), static), lambda _p, _h: NoConstraint())
             loss, aux = lm_batch_loss(m, batch, chunk_size=chunk_size, z_loss=z_loss)
-            aux = jax.tree.map(lambda a: a.astype(jnp.float32) * weight, aux)
-            loss = loss.astype(jnp.float32) * weight
-            return loss * scale, (loss, aux)  # the backward pass runs on the scaled loss
+            return loss.astype(jnp.float32) * weight, jax.tree.map(lambda a: a.astype(jnp.float32) * weight, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        leaves, treedef = jax.tree.flatten(grads)
-        out = []
-        for g, d in zip(leaves, dims, strict=True):
-            g32 = g.astype(jnp.float32) / scale
-            summed = reduce_scatter(g32, axis, dim=d) if stage == 2 and d is not None else all_reduce(g32, axis)
-            out.append(summed.astype(g.dtype))
-        return (all_reduce(loss, axis), all_reduce(aux, axis)), jax.tree.unflatten(treedef, out)
+        (loss, aux), grads = reduced_grad(loss_of, to_varying(params, axis), scale, reduce)
+        return (all_reduce(loss, axis), all_reduce(aux, axis)), grads
 
     def grad_fn(model: PyTree, batch: Any, loss_scale=None):
         params = eqx.filter(model, eqx.is_array)
-        dims = [zero_dim(tuple(x.shape), PartitionSpec(), mesh, axis) for x in jax.tree.leaves(params)]
+        dims = _zero_dims(params, mesh, axis)
         grad_specs = jax.tree.unflatten(jax.tree.structure(params), [
             PartitionSpec(*([None] * d + [axis])) if stage == 2 and d is not None else PartitionSpec()
             for d in dims])

@@ -133,6 +133,7 @@ from eqgpt.parallel.pipeline.lowering import (
 )
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules, entry_axes, is_spec, preset_rules
+from eqgpt.parallel.shard_map import token_count
 from eqgpt.precision import Policy, scale_value, unscale
 
 _log = logging.getLogger(__name__)
@@ -425,9 +426,7 @@ def _step(ctx: _StepContext, lowered, program, blocks, slots, rest, batch, posit
     bl, t = batch["tokens"].shape
     mb = bl // m
     micro = ctx.vary({k: rearrange(a, "(m b) ... -> m b ...", m=m) for k, a in batch.items()})
-    mask = batch.get("loss_mask")
-    local_count = jnp.sum(mask.astype(jnp.float32)) if mask is not None else jnp.float32(bl * t)
-    total = jnp.maximum(all_reduce(local_count, ctx.token_axes), 1.0)
+    total = token_count(batch.get("loss_mask"), (bl, t), ctx.token_axes)
     stage = jax.lax.axis_index(PIPELINE)
     act = ctx.policy.compute  # activations travel between stages in the compute dtype
     zeros_act = jnp.zeros((mb, t, ctx.width), act)
@@ -542,8 +541,7 @@ def _loss_terms(ctx: _StepContext, values: _StepValues, model, data, h):
         model.logits, model.norm(h), data["targets"], loss_mask=lm,
         chunk_size=ctx.chunk_size, z_loss=ctx.z_loss,
     )
-    count = jnp.sum(lm.astype(jnp.float32)) if lm is not None else jnp.float32(values.rows * values.seq)
-    return jnp.maximum(count, 1.0) / values.total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
+    return token_count(lm, (values.rows, values.seq)) / values.total * jnp.stack([loss, aux["nll"], aux["z_loss"]])
 
 
 # ------------------------------------------------------------------ the branches of a tick
