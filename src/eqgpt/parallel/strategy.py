@@ -93,10 +93,7 @@ class Strategy:
             raise ValueError(f"{', '.join(needy)} needs a mesh, e.g. --mesh {example}; one device runs none of them.")
         for part in parts:
             part.validate(self)
-        rules = self.rules
-        for part in parts:
-            rules = part.rules(self, rules)
-        object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "rules", self._fold("rules", self.rules))
         if self.mesh is not None:
             self._check_axes_used()
 
@@ -110,6 +107,12 @@ class Strategy:
             f"strategy {self.describe()!r}: their devices would repeat the same work. "
             + "; ".join(f"{a}: {hints.get(a, 'use it')}" for a in unused) + ", or drop the axis from --mesh."
         )
+
+    def _fold(self, hook: str, value: Any, *args, **kwargs) -> Any:
+        """`value` passed through every part's `hook(self, value, *args, **kwargs)`, in order."""
+        for part in self.parts:
+            value = getattr(part, hook)(self, value, *args, **kwargs)
+        return value
 
     # ------------------------------------------------------------------ construction
 
@@ -159,10 +162,7 @@ class Strategy:
     @property
     def param_rules(self) -> Rules:
         """The rules parameters are placed by: `rules`, and under a pipeline `layers` over `pipeline`."""
-        rules = self.rules
-        for part in self.parts:
-            rules = part.param_rules(self, rules)
-        return rules
+        return self._fold("param_rules", self.rules)
 
     def _batch_rules(self) -> Rules:
         return _first((p.batch_rules(self) for p in self.parts), self.rules)
@@ -187,9 +187,7 @@ class Strategy:
     def prepare(self, model: PyTree) -> PyTree:
         """Install what the strategy needs into the model (context kernels; with
         `offload_params` its arrays move to host memory)."""
-        for part in self.parts:
-            model = part.prepare(self, model)
-        return model
+        return self._fold("prepare", model)
 
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
         """`make(key)`, created directly in its sharding, with the strategy's kernels installed."""
@@ -214,39 +212,27 @@ class Strategy:
         return self._prepare_opt_state(self.placement_for(model).place_opt_state(opt_state, model))
 
     def _prepare_opt_state(self, opt_state: PyTree) -> PyTree:
-        for part in self.parts:
-            opt_state = part.prepare_opt_state(self, opt_state)
-        return opt_state
+        return self._fold("prepare_opt_state", opt_state)
 
     def fetch_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the optimizer state where the update reads it (device memory)."""
-        for part in self.parts:
-            opt_state = part.fetch_opt_state(self, opt_state)
-        return opt_state
+        return self._fold("fetch_opt_state", opt_state)
 
     def stash_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the updated optimizer state where it lives between steps."""
-        for part in self.parts:
-            opt_state = part.stash_opt_state(self, opt_state)
-        return opt_state
+        return self._fold("stash_opt_state", opt_state)
 
     def fetch_params(self, model: PyTree) -> PyTree:
         """Inside a compiled function: the model with its arrays in device memory."""
-        for part in self.parts:
-            model = part.fetch_params(self, model)
-        return model
+        return self._fold("fetch_params", model)
 
     def stash_params(self, model: PyTree) -> PyTree:
         """Inside the step: the updated model where it lives between steps."""
-        for part in self.parts:
-            model = part.stash_params(self, model)
-        return model
+        return self._fold("stash_params", model)
 
     def on_device(self, model: PyTree) -> PyTree:
         """Outside `jit`: the model with its arrays in device memory (to sample from or export)."""
-        for part in self.parts:
-            model = part.on_device(self, model)
-        return model
+        return self._fold("on_device", model)
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (a `Batch`): rows split as the strategy's loss expects."""
@@ -306,8 +292,7 @@ class Strategy:
         def loss(model: PyTree, batch: Batch):
             return lm_batch_loss(model, batch, chunk_size=chunk_size, z_loss=z_loss)
 
-        for part in self.parts:
-            loss = part.loss_fn(self, loss, chunk_size=chunk_size, z_loss=z_loss, model_like=model_like)
+        loss = self._fold("loss_fn", loss, chunk_size=chunk_size, z_loss=z_loss, model_like=model_like)
         return loss if self.mesh is None else self._on_mesh(loss)
 
     def _on_mesh(self, fn: Callable) -> Callable:
@@ -338,9 +323,7 @@ class Strategy:
     def sharded_update(self, update: Update) -> Update:
         """The optimizer update `update(grads, opt_state, params) -> (params, opt_state)` as this
         strategy runs it: unchanged, or under ZeRO on each device's block (`eqgpt.parallel.zero`)."""
-        for part in self.parts:
-            update = part.update(self, update)
-        return update
+        return self._fold("update", update)
 
 
 __all__ = ["Strategy", "Part", "GradFn", "LossFn", "lm_batch_loss"]
