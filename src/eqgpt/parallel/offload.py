@@ -11,16 +11,17 @@ by the optimizer state's bytes; each step moves them host -> device -> host once
 each device's shard): they are copied to the device before the forward pass, and
 the updated arrays back after the update (4 bytes each way per local fp32 parameter).
 Between steps the device then holds neither; inside the step, as without offload.
+
+The part only says where (`Part.memory_kind`: `pinned_host`); `Strategy` moves the
+arrays there, and into device memory and back for each step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-import equinox as eqx
 import jax
-from jaxtyping import PyTree
 
 from eqgpt.parallel.part import Part
 
@@ -34,30 +35,6 @@ def check_host_memory() -> None:
         raise ValueError(f"host offload needs {HOST!r} memory, and {jax.devices()[0].platform} devices "
                          f"offer only {sorted(kinds)}; drop offload_opt_state and offload_params "
                          "(--offload-opt-state, --offload-params).")
-
-
-def place_on_host(tree: PyTree) -> PyTree:
-    """Each array of `tree` moved to its own sharding's `pinned_host` memory (outside `jit`)."""
-    arrays, static = eqx.partition(tree, eqx.is_array)
-    moved = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(HOST)), arrays)
-    return eqx.combine(moved, static)
-
-
-def place_on_device(tree: PyTree) -> PyTree:
-    """Each array of `tree` moved back to its sharding's device memory (outside `jit`)."""
-    arrays, static = eqx.partition(tree, eqx.is_array)
-    moved = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), arrays)
-    return eqx.combine(moved, static)
-
-
-def to_device(tree: PyTree) -> PyTree:
-    """Inside `jit`: the arrays of `tree` copied into device memory."""
-    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if eqx.is_array(x) else x, tree)
-
-
-def to_host(tree: PyTree) -> PyTree:
-    """Inside `jit`: the arrays of `tree` copied out to pinned host memory."""
-    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host) if eqx.is_array(x) else x, tree)
 
 
 @dataclass(frozen=True)
@@ -76,30 +53,12 @@ class Offload(Part):
     def validate(self, strategy: Any) -> None:
         check_host_memory()
 
-    def prepare(self, strategy: Any, model: PyTree) -> PyTree:
-        return place_on_host(model) if self.params else model
-
-    def prepare_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
-        return place_on_host(opt_state) if self.opt_state else opt_state
-
-    def on_device(self, strategy: Any, model: PyTree) -> PyTree:
-        return place_on_device(model) if self.params else model
-
-    def fetch_params(self, strategy: Any, model: PyTree) -> PyTree:
-        return to_device(model) if self.params else model
-
-    def stash_params(self, strategy: Any, model: PyTree) -> PyTree:
-        return to_host(model) if self.params else model
-
-    def fetch_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
-        return to_device(opt_state) if self.opt_state else opt_state
-
-    def stash_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
-        return to_host(opt_state) if self.opt_state else opt_state
+    def memory_kind(self, strategy: Any, what: Literal["params", "opt_state"]) -> str | None:
+        return HOST if getattr(self, what) else None  # the fields are named after what they keep
 
     def describe(self, strategy: Any) -> str:
         on_host = [what for what, flag in (("parameters", self.params), ("optimizer state", self.opt_state)) if flag]
         return f"{' and '.join(on_host)} on host"
 
 
-__all__ = ["HOST", "Offload", "check_host_memory", "place_on_host", "place_on_device", "to_device", "to_host"]
+__all__ = ["HOST", "Offload", "check_host_memory"]

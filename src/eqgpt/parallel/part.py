@@ -13,11 +13,10 @@ through the class attributes below (`automatic`, `runs_layers`, `sequence_axis`)
 Each method below is a no-op by default, so a part overrides only what it changes.
 Two kinds of hook:
 
-- **transforms** (`rules`, `param_rules`, `prepare`, `prepare_opt_state`,
-  `on_device`, `fetch_*`, `stash_*`, `loss_fn`, `update`): each part receives
-  what the parts before it made and returns it, changed or not;
-- **choices** (`placement`, `batch_rules`, `grad_fn`): the first part that
-  returns something other than `None` decides; without one, the automatic path's.
+- **transforms** (`rules`, `param_rules`, `prepare`, `loss_fn`, `update`): each
+  part receives what the parts before it made and returns it, changed or not;
+- **choices** (`placement`, `batch_rules`, `grad_fn`, `memory_kind`): the first part
+  that returns something other than `None` decides; without one, the automatic path's.
 
 Every method takes the `Strategy` first (its mesh, rules and the other parts):
 parts are built before the strategy's rules are final.
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from jaxtyping import Array, PyTree
 
@@ -143,29 +142,10 @@ class Part:
         applies every kind's (`KINDS`) before placing a model, so it needs to know none."""
         return model
 
-    def prepare_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
-        """The placed optimizer state where it lives between steps."""
-        return opt_state
-
-    def on_device(self, strategy: Any, model: PyTree) -> PyTree:
-        """Outside `jit`: the model with its arrays in device memory."""
-        return model
-
-    def fetch_params(self, strategy: Any, model: PyTree) -> PyTree:
-        """Inside `jit`: the model where the step reads it."""
-        return model
-
-    def stash_params(self, strategy: Any, model: PyTree) -> PyTree:
-        """Inside `jit`: the updated model where it lives between steps."""
-        return model
-
-    def fetch_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
-        """Inside `jit`: the optimizer state where the update reads it."""
-        return opt_state
-
-    def stash_opt_state(self, strategy: Any, opt_state: PyTree) -> PyTree:
-        """Inside `jit`: the updated optimizer state where it lives between steps."""
-        return opt_state
+    def memory_kind(self, strategy: Any, what: Literal["params", "opt_state"]) -> str | None:
+        """The memory kind `what` lives in between steps (choice; e.g. `"pinned_host"`), or `None`:
+        device memory. `Strategy` moves it there and, for each step, to the device and back."""
+        return None
 
     # ------------------------------------------------------------------ checks
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import equinox as eqx
 import jax
 from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
@@ -50,6 +51,21 @@ P = TypeVar("P", bound=Part)
 # How to use a mesh axis the rules leave unused (the parts' own axes: `Part.hints`).
 RULE_HINTS = {"data": "add 'dp' to --strategy", "fsdp": "add 'fsdp' to --strategy",
               "tensor": "add 'tp' or 'sp' to --strategy"}
+
+
+# The memory kinds state can live in between steps (`Part.memory_kind`), as spaces inside `jit`.
+_SPACES = {"device": jax.memory.Space.Device, "pinned_host": jax.memory.Space.Host}
+
+
+def _place_in(tree: PyTree, kind: str) -> PyTree:
+    """Outside `jit`: each array of `tree` moved to its own sharding's memory `kind`."""
+    arrays, static = eqx.partition(tree, eqx.is_array)
+    return eqx.combine(jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), arrays), static)
+
+
+def _transfer(tree: PyTree, kind: str) -> PyTree:
+    """Inside `jit`: the arrays of `tree` copied into memory `kind`."""
+    return jax.tree.map(lambda x: jax.device_put(x, _SPACES[kind]) if eqx.is_array(x) else x, tree)
 
 
 def _first(choices: Iterable[Any], default: Any = None) -> Any:
@@ -187,7 +203,7 @@ class Strategy:
     def prepare(self, model: PyTree) -> PyTree:
         """Install what the strategy needs into the model (context kernels; with
         `offload_params` its arrays move to host memory)."""
-        return self._fold("prepare", model)
+        return self._move(self._fold("prepare", model), "params", _place_in)
 
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
         """`make(key)`, created directly in its sharding, with the strategy's kernels installed."""
@@ -204,35 +220,38 @@ class Strategy:
         """The optimizer state, each moment created next to its parameter (in host memory
         with `offload_opt_state`)."""
         model = self.on_device(model)  # created from device copies, whatever `offload_params`
-        return self._prepare_opt_state(self.placement_for(model).init_opt_state(optimizer, model))
+        return self._move(self.placement_for(model).init_opt_state(optimizer, model), "opt_state", _place_in)
 
     def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """An existing optimizer state moved next to its parameters."""
         model = self.on_device(model)
-        return self._prepare_opt_state(self.placement_for(model).place_opt_state(opt_state, model))
+        return self._move(self.placement_for(model).place_opt_state(opt_state, model), "opt_state", _place_in)
 
-    def _prepare_opt_state(self, opt_state: PyTree) -> PyTree:
-        return self._fold("prepare_opt_state", opt_state)
+    def _move(self, tree: PyTree, what: str, move: Callable, to: str | None = None) -> PyTree:
+        """`tree` (the strategy's `what`) moved by `move` into memory `to`, or else where a part keeps
+        it between steps (`Part.memory_kind`); unchanged where no part keeps it off the device."""
+        kind = _first(p.memory_kind(self, what) for p in self.parts)
+        return tree if kind is None else move(tree, to or kind)
 
     def fetch_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the optimizer state where the update reads it (device memory)."""
-        return self._fold("fetch_opt_state", opt_state)
+        return self._move(opt_state, "opt_state", _transfer, "device")
 
     def stash_opt_state(self, opt_state: PyTree) -> PyTree:
         """Inside the step: the updated optimizer state where it lives between steps."""
-        return self._fold("stash_opt_state", opt_state)
+        return self._move(opt_state, "opt_state", _transfer)
 
     def fetch_params(self, model: PyTree) -> PyTree:
         """Inside a compiled function: the model with its arrays in device memory."""
-        return self._fold("fetch_params", model)
+        return self._move(model, "params", _transfer, "device")
 
     def stash_params(self, model: PyTree) -> PyTree:
         """Inside the step: the updated model where it lives between steps."""
-        return self._fold("stash_params", model)
+        return self._move(model, "params", _transfer)
 
     def on_device(self, model: PyTree) -> PyTree:
         """Outside `jit`: the model with its arrays in device memory (to sample from or export)."""
-        return self._fold("on_device", model)
+        return self._move(model, "params", _place_in, "device")
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (a `Batch`): rows split as the strategy's loss expects."""
