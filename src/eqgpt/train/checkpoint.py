@@ -258,6 +258,42 @@ def _barrier(name: str) -> None:
 # --- the manager ---------------------------------------------------------------------------------
 
 
+# Why: replica-parallel saving sliced small arrays too: 80 jit(slice) compiles, 1.8 s of a 2.8 s toy save on 8 CPUs.
+REPLICA_PARALLEL_MIN_BYTES = 16 * 2**20
+"""Replicated arrays are written replica-parallel (each replica writes a slice) only in slices of at least this
+many bytes, where sharing the write pays; smaller ones are written whole by one replica. Same files either way."""
+
+
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+    """What `ocp.StandardCheckpointHandler()` is (same files, same settings), except for a jax.Array
+    handler that writes replica-parallel only slices of `REPLICA_PARALLEL_MIN_BYTES` or more. The
+    handler sits in a registry of this checkpointer's own: Orbax's global one is left as it is."""
+    handlers = ocp.type_handlers
+    arrays = handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
+        # per-array metadata (`array_metadatas/`), written as with Orbax's default jax.Array handler
+        array_metadata_store=ocp.experimental.v1.options.ArrayOptions.Saving().array_metadata_store,
+    )
+    registry = handlers.create_type_handler_registry(
+        *((t, arrays if t is jax.Array else handlers.get_type_handler(t)) for t in handlers.supported_types())
+    )
+    # StandardCheckpointHandler's own limits (PyTreeCheckpointHandler's defaults differ)
+    return ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96,
+                                       type_handler_registry=registry)
+
+
+def _restore_args(targets: Mapping[str, jax.ShapeDtypeStruct], saved: Mapping[str, Any]) -> dict:
+    """The restore arguments `ocp.args.StandardRestore` would build: each array onto its target's
+    sharding, else onto the sharding it was saved with (else as a NumPy array)."""
+    placed = {}
+    for name, t in targets.items():
+        sharding = t.sharding
+        if sharding is None and getattr(saved[name], "sharding", None) is not None:
+            sharding = saved[name].sharding.to_jax_sharding()
+        placed[name] = t if sharding is None else jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
+    return ocp.checkpoint_utils.construct_restore_args(_nest(placed), strict=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """What `Checkpointer.restore` found.
@@ -327,7 +363,7 @@ class Checkpointer:
             create=True,
             temporary_path_class=SealedRename,  # writes files.json just before the commit
         )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+        handlers = {"state": _state_handler(), "config": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._pending: int | None = None  # the step being written in the background
@@ -392,7 +428,7 @@ class Checkpointer:
         }
         self._pending = step
         started = self._reporting_failure(self._manager.save, step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_nest(arrays)),
+            state=ocp.args.PyTreeSave(_nest(arrays)),
             config=ocp.args.JsonSave(self.config),
             meta=ocp.args.JsonSave(meta),
         ), force=True)
@@ -476,7 +512,8 @@ class Checkpointer:
                 + ". Restore with the configuration it was saved with, or start this run in a new directory."
             )
 
-    def _check_layout(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
+    def _check_layout(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+        """Raises `IncompatibleCheckpointError` unless the saved arrays fit `targets`; **returns** their metadata."""
         metadata = self._manager.item_metadata(step)["state"]
         tree = getattr(metadata, "tree", metadata)
         if not isinstance(tree, Mapping):
@@ -504,6 +541,7 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} does not fit this run's state ({'; '.join(parts)}). "
                 "The model or optimizer differs from the one that wrote it; use the same ones or a new directory."
             )
+        return saved
 
     def _restore_one(self, step: int, target: PyTree) -> Restored:
         leaves = named_leaves(target)
@@ -514,8 +552,9 @@ class Checkpointer:
         if meta.get("format") == FORMAT and not sealed:
             raise CorruptCheckpointError(f"{MANIFEST} is missing (every {FORMAT} checkpoint has one)")
         self._check_config(step, config)
-        self._check_layout(step, targets)
-        got = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_nest(targets))))
+        saved = self._check_layout(step, targets)
+        got = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=_nest(targets), restore_args=_restore_args(targets, saved))))
         arrays = _unnest(got["state"])
         saved_sums = {k: int(v) for k, v in meta.get("checksums", {}).items()}
         bad = [n for n, s in checksums(arrays).items() if saved_sums.get(n) != s]
