@@ -312,16 +312,36 @@ class MoE(eqx.Module):
         b, t, d = x.shape
         flat_e = top_e.reshape(-1)  # token-major: [t0 k0, t0 k1, t1 k0, ...]
         order = jnp.argsort(flat_e, stable=True)
-        rows = jnp.take(x.reshape(b * t, d), order // self.top_k, axis=0)
+        back = jnp.argsort(order)  # the inverse permutation
+        rows = _permute(jnp.repeat(x.reshape(b * t, d), self.top_k, axis=0), order, back)
         sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
         done = self.experts.grouped(rows, sizes)
-        out = jnp.zeros_like(done).at[order].set(done)  # back in token order (and typed as the experts' output)
+        out = _permute(done, back, order)  # back in token order
         y = jnp.einsum("nkd,nk->nd", out.reshape(b * t, self.top_k, d), weights.reshape(b * t, -1).astype(x.dtype))
         return y.reshape(b, t, d)
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         """**Returns:** the layer's output (statistics dropped; training uses `with_stats`)."""
         return self.with_stats(x)[0]
+
+
+@jax.custom_vjp
+def _permute(x: Array, order: Array, back: Array) -> Array:
+    """`x[order]` for a permutation `order` whose inverse is `back`, differentiated as the gather
+    `g[back]`: autodiff of a gather would scatter-add, which accelerators serialise."""
+    return x[order]
+
+
+def _permute_fwd(x, order, back):
+    return x[order], (order, back)
+
+
+def _permute_bwd(res, g):
+    order, back = res
+    return g[back], None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def mlp_with_stats(mlp: eqx.Module, x: Array, positions: Array | None = None) -> tuple[Array, MoEStats | None]:
