@@ -314,7 +314,7 @@ class MoE(eqx.Module):
         order = jnp.argsort(flat_e, stable=True)
         back = jnp.argsort(order)  # the inverse permutation
         rows = _permute(jnp.repeat(x.reshape(b * t, d), self.top_k, axis=0), order, back)
-        sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
+        sizes = jnp.sum(flat_e[:, None] == jnp.arange(self.num_experts), axis=0, dtype=jnp.int32)  # no scatter
         done = self.experts.grouped(rows, sizes)
         out = _permute(done, back, order)  # back in token order
         y = jnp.einsum("nkd,nk->nd", out.reshape(b * t, self.top_k, d), weights.reshape(b * t, -1).astype(x.dtype))
