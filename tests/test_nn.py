@@ -126,8 +126,11 @@ def test_unrolled_layers_equal_the_scan_and_leave_no_loop():
     (l_scan, g_scan), (l_unrolled, g_unrolled) = step(nn.GPT(TINY_LLAMA, key=jax.random.key(0))), step(unrolled)
     np.testing.assert_allclose(l_unrolled, l_scan, rtol=1e-6)
     assert_trees_close(g_unrolled, g_scan, rtol=1e-5, atol=1e-7)
-    assert " while(" not in step.lower(unrolled).compile().compiled.as_text()
-    assert " while(" in step.lower(nn.GPT(TINY_LLAMA, key=jax.random.key(0))).compile().compiled.as_text()
+    # XLA:CPU's loop emitters run a scatter (the embedding's gradient) as a loop of its own: not a layer loop.
+    loops = lambda m: [x for x in step.lower(m).compile().compiled.as_text().splitlines()  # noqa: E731
+                       if " while(" in x and "scatter" not in x]
+    assert not loops(unrolled)
+    assert loops(nn.GPT(TINY_LLAMA, key=jax.random.key(0)))
 
 
 def test_remat_full_recomputes_in_the_backward_and_keeps_fewer_temporaries():
