@@ -151,17 +151,17 @@ def test_guards_stop_with_their_codes_and_save_the_last_good_state(tmp_path, cap
             Guard(**kw)
 
 
-# --- SIGKILL at 20 moments of a run that checkpoints every step ---------------------------------
+# --- SIGKILL at 12 moments of a run that checkpoints every step ---------------------------------
 
 
-@pytest.mark.slow  # ~30 s of CPU: 22 forked training processes (the suite runs it)
+@pytest.mark.slow  # ~30 s of CPU: 14 forked training processes (the suite runs it)
 def test_killed_during_saves_resumes_bitwise(tmp_path):
-    """20 seeded SIGKILLs (tests/mp/kill_loop.py): every resume takes the newest complete checkpoint,
+    """12 seeded SIGKILLs (tests/mp/kill_loop.py): every resume takes the newest complete checkpoint,
     never a partial one, and every loss after it is bitwise the uninterrupted run's."""
     import json
     import subprocess
 
-    kills = 20
+    kills = 12
     proc = subprocess.run([sys.executable, str(HERE / "mp" / "kill_loop.py"), str(tmp_path), str(kills), "0"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("SUMMARY ")), None)
