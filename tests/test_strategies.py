@@ -52,20 +52,16 @@ STRATEGIES = {
                               "--microbatches", "4"],
     "pipeline=2,fsdp=2,tensor=2 zb1": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
                                        "--pipeline", "zb1", "--microbatches", "4"],
-    # Collective matmul and gradient buckets (the manual part's settings), each next to the same strategy without.
+    # Collective matmul and gradient buckets (the manual part's settings).
     "manual data=2,tensor=4 sp cm+buckets": ["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual",
                                              "--collective-matmul", "--bucket-mb", "0.01"],
-    "manual data=2,tensor=4 tp": ["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual"],
     "manual data=2,tensor=4 tp buckets": ["--mesh", "data=2,tensor=4", "--strategy", "dp+tp", "--manual",
                                           "--bucket-mb", "0.01"],
-    "manual data=8": ["--mesh", "data=8", "--strategy", "dp", "--manual"],
     "manual data=8 buckets": ["--mesh", "data=8", "--strategy", "dp", "--manual", "--bucket-mb", "0.01"],
 }
-# With the options on -> the same strategy with them off.
-COMMUNICATION = {"manual data=2,tensor=4 sp cm+buckets": "manual data=2,tensor=4 sp",
-                 "manual data=2,tensor=4 tp buckets": "manual data=2,tensor=4 tp",
-                 "manual data=8 buckets": "manual data=8"}
-COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp", *COMMUNICATION, *COMMUNICATION.values())]
+# With the manual part's options on (the manual path without them: test_manual_tp, test_gradient_parity).
+COMMUNICATION = ["manual data=2,tensor=4 sp cm+buckets", "manual data=2,tensor=4 tp buckets", "manual data=8 buckets"]
+COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp", *COMMUNICATION)]
 # Checkpoint portability: saved under each, restored under the next other than one device, so every
 # strategy restores another's checkpoint; the sharded checkpoint of fsdp+tp also restores on one device.
 PORTABLE = ["single", "fsdp+tp", "context=2,fsdp=2,tensor=2 ring", "pipeline=2,data=2,tensor=2 1f1b",
@@ -142,11 +138,9 @@ def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path_fa
     np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
 
 
-@pytest.mark.parametrize("on", [pytest.param(on, marks=pytest.mark.xdist_group(off))
-                                for on, off in COMMUNICATION.items()])
-def test_collective_matmul_and_buckets_train_like_without_and_like_one_device(on, corpus, tmp_path_factory):
+@pytest.mark.parametrize("on", COMMUNICATION)
+def test_collective_matmul_and_buckets_train_like_one_device(on, corpus, tmp_path_factory):
     losses, _ = trained(on, corpus, tmp_path_factory)
-    np.testing.assert_allclose(losses, trained(COMMUNICATION[on], corpus, tmp_path_factory)[0], rtol=1e-5)
     np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
 
 
