@@ -291,7 +291,8 @@ class Trainer:
                         pending = (step, metrics)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                         self._eval_row(step, bar, t_begin)
-                    self._checkpoint(step)
+                    if step < cfg.steps:  # the last step's save comes after its row is logged (below)
+                        self._checkpoint(step)
                     stop = flag.should_stop(step)  # every process, every step: they stop together
                 if pending is not None:
                     self._report(pending, mark_step, mark_time, tokens_per_step, bar, t_begin)
