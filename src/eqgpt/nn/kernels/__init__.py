@@ -91,12 +91,5 @@ def auto_attention(q, k, v, *, mask, q_pos, k_pos, q_seg=None, k_seg=None, scale
     return get_kernel(name)(q, k, v, mask=mask, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, scale=scale)
 
 
-def kernel_name(kernel: str | Kernel) -> str:
-    """A short label for messages and tables."""
-    if isinstance(kernel, str):
-        return kernel
-    return getattr(kernel, "__name__", type(kernel).__name__)
-
-
-__all__ = ["Kernel", "get_kernel", "register_kernel", "kernel_names", "kernel_name", "auto_kernel_name",
+__all__ = ["Kernel", "get_kernel", "register_kernel", "kernel_names", "auto_kernel_name",
            "CPU_BLOCKWISE_FROM"]

@@ -37,7 +37,7 @@ from eqgpt.parallel.context.model import (
     use_context_attention,
 )
 from eqgpt.parallel.context.part import Context
-from eqgpt.parallel.context.ring import ring_attention, ring_attention_with_lse, shard_may_attend
+from eqgpt.parallel.context.ring import ring_attention, shard_may_attend
 from eqgpt.parallel.context.ulysses import (
     kv_replication,
     reads_positions,
@@ -47,7 +47,7 @@ from eqgpt.parallel.context.ulysses import (
 
 __all__ = [
     "ContextKernel", "Context", "IMPLS", "use_context_attention", "strip_context_attention",
-    "context_kernels", "ring_attention", "ring_attention_with_lse", "shard_may_attend",
+    "context_kernels", "ring_attention", "shard_may_attend",
     "allgather_attention", "ulysses_attention", "ulysses_bytes", "kv_replication", "reads_positions", "ORDERINGS",
     "check_layout", "layout_positions", "device_positions",
     "to_layout", "from_layout", "layout_batch", "CP", "context_rules",

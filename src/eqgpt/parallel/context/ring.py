@@ -230,29 +230,4 @@ def ring_attention(
     return _ring(mask, axis, scale, block_q, block_k, q_chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
 
 
-def ring_attention_with_lse(
-    q: Float[Array, "b t h d"],
-    k: Float[Array, "b t g d"],
-    v: Float[Array, "b t g d"],
-    *,
-    mask: Mask,
-    q_pos: Int[Array, " t"],
-    k_pos: Int[Array, " t"],
-    q_seg: Int[Array, "b t"] | None = None,
-    k_seg: Int[Array, "b t"] | None = None,
-    scale: float | None = None,
-    axis: str = "context",
-    block_q: int = 128,
-    block_k: int = 128,
-    q_chunks: int = 1,
-) -> tuple[Float[Array, "b t h d"], Float[Array, "b t h"]]:
-    """The ring forward pass only: output and fp32 log-sum-exp (not differentiable).
-
-    **Arguments:** as `ring_attention`. **Returns:** `(out, lse)` of the local queries.
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    _check_chunks(q.shape[1], q_chunks)
-    return _forward(mask, axis, scale, block_q, block_k, q_chunks, q, k, v, q_pos, k_pos, q_seg, k_seg)
-
-
-__all__ = ["ring_attention", "ring_attention_with_lse", "shard_may_attend"]
+__all__ = ["ring_attention", "shard_may_attend"]
