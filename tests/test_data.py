@@ -51,6 +51,25 @@ def test_corpus_split_by_file_and_cached(tmp_path):
     assert len(g.train_files) + len(g.val_files) == 10
 
 
+def test_a_crash_mid_write_leaves_no_half_written_cache(tmp_path, monkeypatch):
+    """Every rank of a job loads the corpus from one cache: a reader must never find half a file.
+    A write that dies part-way (here, after the first byte of the document bounds) leaves the
+    cache as if never written, and the next load builds it whole."""
+    root = write_corpus(tmp_path / "c")
+    real_save = np.save
+
+    def dies_mid_write(file, array, *args, **kwargs):
+        file.write(b"\x93")  # the first byte of the .npy header
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "save", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        load_corpus(root, cache_dir=tmp_path / "cache", val_percent=25)
+    monkeypatch.setattr(np, "save", real_save)
+    c = load_corpus(root, cache_dir=tmp_path / "cache", val_percent=25)
+    assert len(c.train) + len(c.val) == 12 * 400 and c.train_docs[-1] == len(c.train)
+
+
 def test_token_files(tmp_path):
     toks = np.arange(1000, dtype=np.uint16) % 200
     toks.tofile(tmp_path / "t.bin")

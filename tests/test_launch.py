@@ -120,6 +120,7 @@ def test_the_help_example_trains_and_a_mismatched_batch_names_the_fix(tmp_path):
     assert (tmp_path / "run" / "samples.txt").read_text().count("--- sample") == 3
     bad = run([*recipe, "--batch-size", "5", "--out-dir", str(tmp_path / "bad")], timeout=300)
     assert bad.returncode in (100, 101) and "Traceback" not in bad.stdout + bad.stderr  # 100 + the rank blamed
+    assert "Gloo" not in bad.stdout  # refused before start-up: the backend's output cannot split the line
     for rank in (0, 1):
         assert f"[rank {rank}] error: --batch-size 5 does not split over 2 processes" in bad.stdout + bad.stderr
     assert not (tmp_path / "bad").exists()

@@ -331,7 +331,7 @@ def check_fault_flags(cfg: TrainConfig) -> None:
 
 def check_run_flags(cfg: TrainConfig) -> None:
     """Refuse counts, directories and optional packages the run cannot use, naming the flag, before
-    anything is written or compiled."""
+    JAX starts and anything is written or compiled."""
     at_least = {"steps": 1, "accum_steps": 1, "log_every": 1, "checkpoint_keep": 1, "checkpoint_every": 0,
                 "eval_every": 0, "eval_windows": 0, "sample_tokens": 0}
     if cfg.batch_size != "auto":
@@ -347,9 +347,10 @@ def check_run_flags(cfg: TrainConfig) -> None:
     check_writable(cfg.out_dir or "runs", "--out-dir")
     if cfg.checkpoint_dir is not None:
         check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
-    if cfg.batch_size != "auto" and cfg.batch_size % jax.process_count():
-        raise ValueError(f"--batch-size {cfg.batch_size} does not split over {jax.process_count()} processes (each "
-                         f"loads its share of the rows): use a multiple of {jax.process_count()}.")
+    processes = distributed.resolve_settings().num_processes  # from the environment: no backend started yet
+    if cfg.batch_size != "auto" and cfg.batch_size % processes:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split over {processes} processes (each "
+                         f"loads its share of the rows): use a multiple of {processes}.")
     if cfg.log == "tensorboard":
         check_tensorboard()
     check_fault_flags(cfg)
@@ -496,9 +497,9 @@ def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
     t0 = time.perf_counter()
+    check_run_flags(cfg)  # before start-up: an error is the only output, not mixed with the backend's
     compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
-    check_run_flags(cfg)
     resumed = run_to_continue(cfg)
     if resumed is not None and (done := finished(cfg, resumed)) is not None:
         log(f"run {resumed} has finished its {done['steps']} steps; nothing to do, nothing changed "

@@ -190,8 +190,13 @@ def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progre
                 out.write(np.asarray(ids, np.uint16).tobytes())
                 bounds.append(bounds[-1] + len(ids))
             advance(len(chunk))
-    tmp.replace(path)  # atomic: a crash never leaves a half-written cache
-    np.save(docs_path(path), np.asarray(bounds, np.int64))
+    # Each file appears whole or not at all (os.replace is atomic): neither a crash nor another
+    # process reading the same cache (every rank of a job loads the corpus) sees half of one.
+    docs_tmp = docs_path(path).with_suffix(f".tmp{os.getpid()}")
+    with open(docs_tmp, "wb") as out:
+        np.save(out, np.asarray(bounds, np.int64))
+    docs_tmp.replace(docs_path(path))
+    tmp.replace(path)
 
 
 def _read_text(f: Path) -> str:
