@@ -3,6 +3,7 @@ model and two steps: it trains, validates, samples and writes its plot, samples 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -21,9 +22,10 @@ TRIM = ["--steps", "2", "--batch-size", "16", "--model.embed-dim", "32", "--mode
         "--sample-prompts", "def ", "--no-progress", "--peak-flops", "1e12", "--no-compile-cache"]
 
 
-def commands() -> list[str]:
+def page_commands() -> dict[str, str]:
     """Each page's train_gpt.py command lines (shell variables such as $T and $C expanded,
-    continuation lines joined, `--cpu-devices` dropped: the suite has 8 CPU devices), once each."""
+    continuation lines joined, `--cpu-devices` dropped: the suite has 8 CPU devices), once each,
+    with the page that holds each."""
     found = {}
     for page in sorted(PAGES.glob("*.md")):
         for block in BLOCK.findall(page.read_text()):
@@ -39,11 +41,27 @@ def commands() -> list[str]:
                     args = shlex.split(line.split("recipes/train_gpt.py", 1)[1])
                     args = [a for i, a in enumerate(args) if "--cpu-devices" not in (a, args[i - 1] if i else "")]
                     found.setdefault(" ".join(args), page.name)
-    return [pytest.param(args, id=f"{page}: {args}") for args, page in found.items()]
+    return found
+
+
+def trimmed(command: str) -> list[str]:
+    """The command's flags, then TRIM's (a tiny model, two steps), then one layer unless it pipelines."""
+    layers = [] if "--pipeline" in command else ["--model.num-layers", "1"]  # stages need their layers
+    return [*shlex.split(command), *TRIM, *layers]
+
+
+def commands() -> list:
+    """One test per distinct trimmed run: commands that differ only in what TRIM overrides (such as
+    --model.seq-len 8192 beside the same command without it) run once, under the first one's name."""
+    recipe, runs = load_recipe(), {}
+    for command, page in page_commands().items():
+        cfg = dataclasses.asdict(recipe.parse_flags(trimmed(command)))
+        runs.setdefault(json.dumps(cfg, sort_keys=True, default=str), (command, page))
+    return [pytest.param(command, id=f"{page}: {command}") for command, page in runs.values()]
 
 
 def test_the_pages_hold_the_commands_users_copy():
-    got = [p.values[0] for p in commands()]
+    got = list(page_commands())
     assert len(got) >= 15, got
     assert "--model.preset moe-nano --mesh expert=4,data=2" in got  # sampling crashed there once
 
@@ -56,9 +74,8 @@ def test_docs_command_runs_to_the_end(command, tmp_path_factory, capsys):
         write_documents(docs, n=60)
     out = tmp_path_factory.mktemp("run")
     recipe = load_recipe()
-    layers = [] if "--pipeline" in command else ["--model.num-layers", "1"]  # stages need their layers
-    args = [*shlex.split(command), *TRIM, *layers, "--data.corpus", str(docs), "--data.cache-dir",
-            str(root / "cache"), "--out-dir", str(out / "run")]
+    args = [*trimmed(command), "--data.corpus", str(docs), "--data.cache-dir", str(root / "cache"),
+            "--out-dir", str(out / "run")]
     summary = recipe.main(recipe.parse_flags(args))
     assert summary["steps"] == 2 and not summary["interrupted"]
     assert len(summary["samples"]) == 1 and summary["samples"][0].startswith("def ")
