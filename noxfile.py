@@ -18,10 +18,10 @@ JAX = {"3.11": (f"jax=={OLDEST_JAX}", f"jaxlib=={OLDEST_JAX}"), "3.12": ("--upgr
 
 @nox.session(python=list(JAX))
 def tests(session: nox.Session) -> None:
-    """The whole suite on 8 simulated CPU devices (2 workers), oldest (3.11) and newest (3.12) JAX."""
+    """The whole suite on 8 simulated CPU devices (3 workers), oldest (3.11) and newest (3.12) JAX."""
     session.install("-e", ".[test]", *JAX[session.python])
     session.run("python", "-c", "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)")
-    session.run("python", "-m", "pytest", "-n", "2", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "3", *session.posargs)
 
 
 @nox.session
