@@ -62,3 +62,16 @@ def _release_compiled_programs():
     fault) compiling in such a long-lived process a step that compiles fine in a new one."""
     yield
     jax.clear_caches()
+
+
+# The files holding the suite's longest tests (20 to 45 s each: recipe runs in subprocesses, several
+# processes, kills and resumes), run first: a worker that drew one last would finish alone while
+# the others sat idle (longest-first scheduling). Within a file, and after these, collection order.
+SLOW_FILES_FIRST = ("test_faults.py", "test_multiprocess.py", "test_recipes_parallel.py", "test_resume.py",
+                    "test_packing.py", "test_fit_and_head.py", "test_overlap.py", "test_recipes.py", "test_launch.py",
+                    "test_strategies.py", "test_docs_commands.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
