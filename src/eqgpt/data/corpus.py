@@ -9,6 +9,7 @@ elsewhere and no validation text leaks into training through a shared file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -173,10 +174,20 @@ def _fingerprint(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _written_whole(path: Path):
+    """A binary file to write that appears at `path` whole or not at all (a temporary file renamed
+    on success; `os.replace` is atomic): neither a crash nor another process reading the same cache
+    (every rank of a job loads the corpus) sees half of it."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as out:
+        yield out
+    tmp.replace(path)
+
+
 def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progress: str | None = None) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
     bounds = [0]  # one document per file: its token boundaries, for packing
-    with open(tmp, "wb") as out, _progress(progress, len(files)) as advance:
+    with _written_whole(path) as out, _progress(progress, len(files)) as advance:
         if isinstance(tokenizer, ByteTokenizer):
             chunks = ([f] for f in files)
         else:  # encode_batch runs the library's threads over a chunk of files at a time
@@ -190,13 +201,8 @@ def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progre
                 out.write(np.asarray(ids, np.uint16).tobytes())
                 bounds.append(bounds[-1] + len(ids))
             advance(len(chunk))
-    # Each file appears whole or not at all (os.replace is atomic): neither a crash nor another
-    # process reading the same cache (every rank of a job loads the corpus) sees half of one.
-    docs_tmp = docs_path(path).with_suffix(f".tmp{os.getpid()}")
-    with open(docs_tmp, "wb") as out:
-        np.save(out, np.asarray(bounds, np.int64))
-    docs_tmp.replace(docs_path(path))
-    tmp.replace(path)
+        with _written_whole(docs_path(path)) as docs:  # in place before the tokens are: readers need both
+            np.save(docs, np.asarray(bounds, np.int64))
 
 
 def _read_text(f: Path) -> str:
