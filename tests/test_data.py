@@ -65,6 +65,7 @@ def test_a_crash_mid_write_leaves_no_half_written_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(np, "save", dies_mid_write)
     with pytest.raises(KeyboardInterrupt):
         load_corpus(root, cache_dir=tmp_path / "cache", val_percent=25)
+    assert not list((tmp_path / "cache").rglob("*.tmp*"))  # the temporary files removed, not left as debris
     monkeypatch.setattr(np, "save", real_save)
     c = load_corpus(root, cache_dir=tmp_path / "cache", val_percent=25)
     assert len(c.train) + len(c.val) == 12 * 400 and c.train_docs[-1] == len(c.train)

@@ -9,7 +9,6 @@ elsewhere and no validation text leaks into training through a shared file.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -35,6 +34,7 @@ from eqgpt.data.tokenizer import (
     parse_bpe_spec,
     train_bpe,
 )
+from eqgpt.files import written_whole
 
 # Directories of the stdlib that are not ordinary library code (tests, vendored
 # third-party packages, IDLE's tests): left out of the default corpus.
@@ -174,20 +174,9 @@ def _fingerprint(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def _written_whole(path: Path):
-    """A binary file to write that appears at `path` whole or not at all (a temporary file renamed
-    on success; `os.replace` is atomic): neither a crash nor another process reading the same cache
-    (every rank of a job loads the corpus) sees half of it."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as out:
-        yield out
-    tmp.replace(path)
-
-
 def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progress: str | None = None) -> None:
     bounds = [0]  # one document per file: its token boundaries, for packing
-    with _written_whole(path) as out, _progress(progress, len(files)) as advance:
+    with written_whole(path) as out, _progress(progress, len(files)) as advance:
         if isinstance(tokenizer, ByteTokenizer):
             chunks = ([f] for f in files)
         else:  # encode_batch runs the library's threads over a chunk of files at a time
@@ -201,7 +190,7 @@ def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progre
                 out.write(np.asarray(ids, np.uint16).tobytes())
                 bounds.append(bounds[-1] + len(ids))
             advance(len(chunk))
-        with _written_whole(docs_path(path)) as docs:  # in place before the tokens are: readers need both
+        with written_whole(docs_path(path)) as docs:  # in place before the tokens are: readers need both
             np.save(docs, np.asarray(bounds, np.int64))
 
 

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from eqgpt.files import written_whole
+
 MANIFEST = "files.json"
 _FORMAT = "eqgpt-files/1"
 # Written by Orbax during the commit itself (after the seal), and the seal: not listed.
@@ -61,12 +63,8 @@ def write_manifest(directory: str | os.PathLike) -> dict:
     directory = Path(directory)
     files = {rel: [os.path.getsize(directory / rel), crc32(directory / rel)] for rel in _listed(directory)}
     manifest = {"format": _FORMAT, "files": files}
-    tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with written_whole(directory / MANIFEST, "w") as f:
         json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
     return manifest
 
 
