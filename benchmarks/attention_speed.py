@@ -2,12 +2,13 @@
 
 For each length T the batch is `--tokens / T` rows, so every row of the table does the
 same useful work per token up to the quadratic term. Kernels: eqgpt's `reference`,
-`blockwise` and `splash`, and `xla` (`jax.nn.dot_product_attention(implementation="xla")`).
+`blockwise`, `splash` and `flash`, and `xla` (`jax.nn.dot_product_attention(implementation="xla")`).
 Each cell is the median of `--repeats` calls of one compiled `value_and_grad`; a kernel that
 runs out of memory prints `OOM`.
 
 `--sweep` instead times `splash` at each length over block sizes (`--blocks`) and prints
-the fastest, the rows of `eqgpt.nn.kernels.splash.BLOCK_TABLE`.
+the fastest, the rows of `eqgpt.nn.kernels.splash.BLOCK_TABLE`; then `flash` over
+`--flash-blocks` (`eqgpt.nn.kernels.flash.BLOCK`).
 
     python benchmarks/attention_speed.py                       # TPU: T 512..8192, 16k tokens, bf16
     python benchmarks/attention_speed.py --sweep
@@ -22,7 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from eqgpt.nn.kernels import get_kernel, splash
+from eqgpt.nn.kernels import flash, get_kernel, splash
 from eqgpt.nn.mask import CausalMask
 from eqgpt.profile.timing import median_seconds
 
@@ -65,11 +66,12 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help="default: bf16 (TPU), fp32 (CPU)")
-    p.add_argument("--kernels", default=None, help="comma-separated (TPU: blockwise,reference,xla,splash)")
+    p.add_argument("--kernels", default=None, help="comma-separated (TPU: blockwise,reference,xla,splash,flash)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="time splash over --blocks at each length")
     p.add_argument("--blocks", default="512x512,1024x1024,512x512f,1024x512f,512x1024f,1024x1024f",
                    help="QxKV block sizes; a trailing f runs the fused backward kernel")
+    p.add_argument("--flash-blocks", default="256,512,1024", help="block sizes --sweep times flash at")
     p.add_argument("--cpu", action="store_true", help="the CPU table (reference vs blockwise)")
     args = p.parse_args(argv)
     platform = jax.devices()[0].platform
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     seqs = [int(s) for s in (args.seqs or ("128,256,512,1024,2048" if cpu else "512,1024,2048,4096,8192")).split(",")]
     tokens = args.tokens or (4096 if cpu else 16384)
     dtype = jnp.dtype(args.dtype or ("float32" if cpu else "bfloat16"))
-    kernels = (args.kernels or ("reference,blockwise" if cpu else "blockwise,reference,xla,splash")).split(",")
+    kernels = (args.kernels or ("reference,blockwise" if cpu else "blockwise,reference,xla,splash,flash")).split(",")
     h, g, d = args.heads, args.kv_heads or args.heads, args.head_dim
     print(f"attention forward + backward, causal, {tokens} tokens per call, heads {h}/{g} kv, head_dim {d}, "
           f"{dtype.name}; {jax.devices()[0].device_kind}; jax {jax.__version__}; median of {args.repeats}, ms")
@@ -101,6 +103,15 @@ def main(argv=None) -> int:
             times = {blk: float(c) for blk, c in zip(blocks, row, strict=True) if c not in ("-", "OOM", "n/a")}
             best = names[blocks.index(min(times, key=times.get))] if times else None
             print(f"{t:6d}" + "".join(c.rjust(11) for c in row) + f"   {best}")
+        sizes = [int(x) for x in args.flash_blocks.split(",")]
+        print("flash, block:\n" + "T".rjust(6) + "".join(str(n).rjust(11) for n in sizes))
+        for t in seqs:
+            row = []
+            for n in sizes:
+                flash.BLOCK = n
+                row.append("-" if n > t else cell(attention_fn("flash"), (max(tokens // t, 1), t, h, d),
+                                                  (max(tokens // t, 1), t, g, d), dtype, args.repeats))
+            print(f"{t:6d}" + "".join(c.rjust(11) for c in row))
         return 0
     print("T".rjust(6) + "batch".rjust(7) + "".join(k.rjust(11) for k in kernels))
     for t in seqs:

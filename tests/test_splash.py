@@ -120,9 +120,9 @@ def test_splash_refuses_lengths_and_masks_it_has_no_form_of():
         get_kernel("splash")(q, k, v, mask=Strange(), q_pos=jnp.arange(T), k_pos=jnp.arange(T))
 
 
-def test_auto_picks_splash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
+def test_auto_picks_flash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
     bf16 = jnp.bfloat16
-    assert auto_kernel_name(CausalMask(), 1024, 1024, bf16, platform="tpu") == "splash"
+    assert auto_kernel_name(CausalMask(), 1024, 1024, bf16, platform="tpu") == "flash"
     assert auto_kernel_name(CausalMask(), 1000, 1000, bf16, platform="tpu") == "blockwise"  # not a multiple of 128
     assert auto_kernel_name(CausalMask(), 1024, 1024, bf16, platform="gpu") == "cudnn"
     assert auto_kernel_name(CausalMask(), 1024, 1024, jnp.float32, platform="gpu") == "blockwise"
@@ -132,13 +132,15 @@ def test_auto_picks_splash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
     assert eqgpt.GPTConfig().attention_kernel == "auto"
 
 
-@pytest.mark.parametrize("mesh,rules,parts", [("fsdp=4,tensor=2", "fsdp+tp", {}), ("data=8", "dp", {}),
-                                               ("pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2})],
-                         ids=["fsdp4-tp2", "dp8", "pipeline2-dp4"])
-def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules, parts):
-    """The kernel maps itself over the mesh (GSPMD cannot split a Pallas call), or runs inside the
-    pipeline's type-checked shard_map: fp32 gradients, leaf by leaf, equal one device's (measured
-    differences <= 4e-8)."""
+@pytest.mark.parametrize("kernel,mesh,rules,parts", [
+    ("splash", "fsdp=4,tensor=2", "fsdp+tp", {}), ("splash", "data=8", "dp", {}),
+    ("splash", "pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2}),
+    ("flash", "fsdp=4,tensor=2", "fsdp+tp", {}), ("flash", "pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2})],
+    ids=["fsdp4-tp2", "dp8", "pipeline2-dp4", "flash-fsdp4-tp2", "flash-pipeline2-dp4"])
+def test_pallas_gradients_under_a_mesh_equal_one_device(kernel, mesh, rules, parts):
+    """The Pallas kernels map themselves over the mesh (GSPMD cannot split a Pallas call), or run
+    inside the pipeline's type-checked shard_map: fp32 gradients, leaf by leaf, equal one device's
+    (measured differences <= 4e-8). Splash with grouped kv heads, flash with as many as queries."""
     import equinox as eqx
 
     from eqgpt.data.batch import Batch
@@ -146,7 +148,7 @@ def test_splash_gradients_under_a_mesh_equal_one_device(mesh, rules, parts):
     from eqgpt.parallel import ParallelFlags
     from eqgpt.train import Strategy
 
-    cfg = eqgpt.preset("nano", attention_kernel="splash", num_kv_heads=2)
+    cfg = eqgpt.preset("nano", attention_kernel=kernel, num_kv_heads=2 if kernel == "splash" else None)
     windows = np.random.default_rng(0).integers(0, 256, (8, cfg.seq_len + 1)).astype(np.int32)
 
     def grads(strategy):
@@ -187,4 +189,4 @@ def test_splash_inside_a_shard_map_that_checks_types_equals_outside():
     want = jax.value_and_grad(lambda *a: jnp.sum(dense(*a) * ct), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
-    assert auto_kernel_name(CausalMask(), T, T, jnp.bfloat16, platform="tpu") == "splash"
+    assert auto_kernel_name(CausalMask(), T, T, jnp.bfloat16, platform="tpu") == "flash"

@@ -73,9 +73,9 @@ class GPTConfig:
     - `norm`, `mlp`, `position`: "layernorm"/"rmsnorm", "gelu"/"swiglu", "learned"/"rope".
     - `use_bias`: biases in linear layers and LayerNorms (GPT-2: yes, Llama: no).
     - `tie_embeddings`: reuse the token table as the output head.
-    - `attention_kernel`: "auto" (the fastest built-in for the backend and length: splash
+    - `attention_kernel`: "auto" (the fastest built-in for the backend and length: flash
       on TPU, cudnn on GPU, reference or blockwise on CPU), "reference", "blockwise",
-      "splash", "cudnn", or a name given to `eqgpt.nn.kernels.register_kernel`.
+      "splash", "flash", "cudnn", or a name given to `eqgpt.nn.kernels.register_kernel`.
     - `mask`, `window`: "causal" or "sliding" (with `window` keys).
     - `remat`: gradient checkpointing per block (see `eqgpt.nn.remat`).
     - `moe`: a `MoEConfig` to make the feed-forward layers Mixture-of-Experts; `None`: dense.

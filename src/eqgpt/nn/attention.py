@@ -65,7 +65,7 @@ class Attention(eqx.Module):
         - `embed_dim`: model width; must be divisible by `num_heads`.
         - `num_heads`, `num_kv_heads`: query heads and key/value heads
           (`num_kv_heads` defaults to `num_heads` and must divide it).
-        - `kernel`: "auto", "reference", "blockwise", "splash", "cudnn", a registered
+        - `kernel`: "auto", "reference", "blockwise", "splash", "flash", "cudnn", a registered
           name, or a callable with the kernel signature.
         - `mask`: a `Mask`; causal by default.
         - `rope_theta`: apply rotary embeddings with this base, or `None` for none.

@@ -316,7 +316,7 @@ class Strategy:
 
     def _on_mesh(self, fn: Callable) -> Callable:
         """`fn` traced with this mesh as the ambient (abstract) mesh, so that what cannot be partitioned
-        automatically (a Pallas kernel: `eqgpt.nn.kernels.splash`) can map itself over its axes."""
+        automatically (a Pallas kernel: `eqgpt.nn.kernels.mesh`) can map itself over its axes."""
 
         def on_mesh(*args, **kwargs):
             with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):

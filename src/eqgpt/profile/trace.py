@@ -466,7 +466,7 @@ def category_table(path: str | Path, *, hlo_text, module: str | None = None,
         if re.match(r"(while|call|conditional)(\.\d+)?$", o.name) or (module is not None and o.module != module):
             continue
         kinds = [category_of(name) for name in names.get(o.name, [""])]
-        if o.name.startswith("splash"):  # a TPU names a Pallas call after its kernel, with no JAX name
+        if o.name.startswith(("splash", "flash")):  # a TPU names a Pallas call after its kernel, with no JAX name
             kinds.append("attention kernel")
         total[min(kinds, key=CATEGORIES.index)] += o.end_ns - o.start_ns
     grand = sum(total.values()) or 1.0

@@ -28,7 +28,7 @@ from eqgpt.profile.memory import memory
 
 GIB = 2**30
 FIXES = ("a smaller --batch-size (or --batch-size auto)", "--model.remat full (or save_qkv_proj, minimal)",
-         "--accum-steps 2 or more", "--model.attention-kernel splash or blockwise (never the [T, T] reference)",
+         "--accum-steps 2 or more", "--model.attention-kernel flash, splash or blockwise (never the [T, T] reference)",
          "--optim.mu-dtype bf16 and --master-weights (bf16 parameters)")
 
 

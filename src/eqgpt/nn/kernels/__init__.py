@@ -14,8 +14,9 @@ or an `eqx.Module` with no arrays, e.g. `eqgpt.parallel.context.ContextKernel`).
 `register_kernel("mine", fn)` makes a name for it, usable from `GPTConfig`.
 
 Built in: `reference` (dense, the oracle), `blockwise` (flash-style in plain JAX),
-`splash` (JAX's Pallas TPU kernel; interpret mode elsewhere), `cudnn` (GPU), and
-`auto`, which picks per call (`auto_kernel_name`): `splash` on TPU, `cudnn` on GPU,
+`splash` (JAX's Pallas TPU kernel; interpret mode elsewhere), `flash` (our own Pallas
+kernel for causal attention on the model's layout, splash for every other case), `cudnn`
+(GPU), and `auto`, which picks per call (`auto_kernel_name`): `flash` on TPU, `cudnn` on GPU,
 and on CPU `reference` up to `CPU_BLOCKWISE_FROM` tokens, `blockwise` from there.
 """
 
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 Kernel = Callable[..., object]
 
 # The built-in kernels: name -> module defining `<name>_attention`, imported on first use.
-_BUILTIN = ("auto", "reference", "blockwise", "splash", "cudnn")
+_BUILTIN = ("auto", "reference", "blockwise", "splash", "flash", "cudnn")
 # On CPU, `auto` runs `blockwise` from this many keys on: measured forward + backward
 # (`benchmarks/attention_speed.py --cpu`, docs/profiling.md).
 CPU_BLOCKWISE_FROM = 512
@@ -79,7 +80,7 @@ def auto_kernel_name(mask, q_len: int, k_len: int, dtype, platform: str | None =
         from eqgpt.nn.kernels.typed import can_call_pallas
 
         fits = supports(mask, q_len) and supports(mask, k_len) and can_call_pallas()
-        return "splash" if fits else "blockwise"
+        return "flash" if fits else "blockwise"
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "blockwise" if k_len >= CPU_BLOCKWISE_FROM else "reference"

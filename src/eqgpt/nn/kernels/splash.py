@@ -9,11 +9,8 @@ indexing (key/value heads are never repeated in memory). Here it gets:
 - block sizes and the fused backward per (sequence, head_dim, dtype) from `BLOCK_TABLE`,
   measured on a TPU v5e (`benchmarks/attention_speed.py`); JAX's default 128 is slower than XLA;
 - a `shard_map` over every mesh axis the partitioner still owns, since GSPMD cannot
-  split a Pallas call: rows over the batch axes, heads over `tensor`;
+  split a Pallas call (`eqgpt.nn.kernels.mesh`);
 - interpret mode off TPU, so CPU tests run the same kernel.
-
-Inside a `shard_map` that checks varying types (the pipeline's stages, the manual
-path) a Pallas call cannot say how its outputs vary; `eqgpt.nn.kernels.typed` runs it there.
 
 The mask works on sequence indices: `q_pos` and `k_pos` must be `0..len-1` (self-
 attention over one whole sequence, as training runs it). Context parallelism hands
@@ -31,11 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-from jax.sharding import PartitionSpec as P
-from jax.sharding import get_abstract_mesh
 from jaxtyping import Array, Float, Int
 
-from eqgpt.nn.kernels.typed import in_manual_region, typed_call
+from eqgpt.nn.kernels.mesh import on_local_shards
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask
 
 LANES = 128  # splash tiles are multiples of the TPU's 128 lanes
@@ -64,7 +59,6 @@ DEFAULT_BLOCKS = Blocks(1024, 1024, True)
 # Keys stored [heads, head_dim, seq] inside the kernel: measured 3% faster at T=1024, head_dim 64
 # (the attention sublayer forward + backward, 5.56 -> 5.40 ms; docs/measured/attention_layouts.txt).
 KEY_LAYOUT = sk.QKVLayout.SEQ_MINOR
-TENSOR = "tensor"  # the mesh axis heads split over; every other automatic axis takes batch rows
 
 
 def block_sizes(seq_len: int, head_dim: int, dtype) -> Blocks:
@@ -83,6 +77,13 @@ def supports(mask: Mask, seq_len: int) -> bool:
     except ValueError:
         return False
     return seq_len % LANES == 0
+
+
+def check_lengths(q_len: int, k_len: int) -> None:
+    """Raise `ValueError` unless both lengths are multiples of 128 (the Pallas kernels' tiles)."""
+    if q_len % LANES or k_len % LANES:
+        raise ValueError(f'the Pallas attention kernels need sequence lengths that are multiples of {LANES}, got '
+                         f'{q_len} queries and {k_len} keys; use kernel="blockwise" or pad the sequence.')
 
 
 def _splash_mask(mask: Mask):
@@ -135,22 +136,6 @@ def _local_attention(q, k, v, q_seg, k_seg, *, kind, window, scale):
     return heads_first(out)
 
 
-def _mesh_split(batch: int, heads: int, kv_heads: int):
-    """The automatic mesh axes to split over (batch axes, heads axis), or `None` outside a mesh."""
-    mesh = get_abstract_mesh()
-    auto = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in mesh.manual_axes]
-    if not auto:
-        return None
-    head_axis = TENSOR if TENSOR in auto and heads % mesh.shape[TENSOR] == 0 \
-        and kv_heads % mesh.shape[TENSOR] == 0 else None
-    rows, split = batch, []
-    for a in auto:
-        if a != head_axis and rows % mesh.shape[a] == 0:
-            split.append(a)
-            rows //= mesh.shape[a]
-    return mesh, tuple(split) or None, head_axis, frozenset(auto)
-
-
 def splash_attention(
     q: Float[Array, "b t h d"],
     k: Float[Array, "b s g d"],
@@ -169,25 +154,13 @@ def splash_attention(
     Raises `ValueError` for a mask it has no form of, or such a length.
     """
     del q_pos, k_pos  # sequence indices are the positions (module docstring)
-    b, t, h, d = q.shape
-    s, g = k.shape[1], k.shape[2]
     kind, window = _splash_mask(mask)
-    if t % LANES or s % LANES:
-        raise ValueError(f'attention kernel "splash" needs sequence lengths that are multiples of {LANES}, got '
-                         f'{t} queries and {s} keys; use kernel="blockwise" or pad the sequence.')
+    check_lengths(q.shape[1], k.shape[1])
     if (q_seg is None) != (k_seg is None):
         raise ValueError("Pass both q_seg and k_seg, or neither.")
-    scale = d**-0.5 if scale is None else scale
-    local = functools.partial(_local_attention, kind=kind, window=window, scale=scale)
-    split = _mesh_split(b, h, g)
-    if split is None:
-        if in_manual_region():
-            return typed_call(local, (q, k, v), (q_seg, k_seg))
-        return local(q, k, v, q_seg, k_seg)
-    mesh, rows, heads, axes = split
-    x, seg = P(rows, None, heads, None), P(rows, None)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(x, x, x, seg, seg), out_specs=x, axis_names=set(axes),
-                           check_vma=False)
-    return mapped(q, k, v, q_seg, k_seg)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return on_local_shards(functools.partial(_local_attention, kind=kind, window=window, scale=scale),
+                           q, k, v, q_seg, k_seg)
 
-__all__ = ["splash_attention", "Blocks", "block_sizes", "supports"]
+
+__all__ = ["splash_attention", "Blocks", "block_sizes", "supports", "check_lengths"]
