@@ -61,7 +61,7 @@ def test_sequence_longer_than_positions_raises():
 
 def test_unknown_names_raise():
     with pytest.raises(ValueError, match="Unknown attention kernel"):
-        nn.Attention(32, 4, kernel="flash", key=jax.random.key(0))
+        nn.Attention(32, 4, kernel="flashy", key=jax.random.key(0))
     with pytest.raises(ValueError, match="Unknown remat"):
         nn.GPT(TINY.replace(remat="sometimes"), key=jax.random.key(0))
 
