@@ -135,7 +135,8 @@ def test_auto_picks_flash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
 @pytest.mark.parametrize("kernel,mesh,rules,parts", [
     ("splash", "fsdp=4,tensor=2", "fsdp+tp", {}), ("splash", "data=8", "dp", {}),
     ("splash", "pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2}),
-    ("flash", "fsdp=4,tensor=2", "fsdp+tp", {}), ("flash", "pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2})],
+    ("flash", "fsdp=4,tensor=2", "fsdp+tp", {}),
+    ("flash", "pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2})],
     ids=["fsdp4-tp2", "dp8", "pipeline2-dp4", "flash-fsdp4-tp2", "flash-pipeline2-dp4"])
 def test_pallas_gradients_under_a_mesh_equal_one_device(kernel, mesh, rules, parts):
     """The Pallas kernels map themselves over the mesh (GSPMD cannot split a Pallas call), or run

@@ -72,6 +72,20 @@ def _scaled(q, scale: float):
     return (q.astype(jnp.float32) * scale).astype(q.dtype)
 
 
+def _forward_visit(j, carry, *, qh, k_ref, v_ref, block: int, causal=None):
+    """Online softmax over key block `j` for one head's queries; `causal` masks the diagonal block."""
+    m, denom, acc = carry
+    rows = pl.ds(pl.multiple_of(j * block, block), block)
+    s = jax.lax.dot_general(qh, k_ref[rows, :], NT, preferred_element_type=jnp.float32)
+    if causal is not None:
+        s = jnp.where(causal, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    alpha = jnp.exp(m - m_new)
+    pv = jnp.dot(p.astype(v_ref.dtype), v_ref[rows, :], preferred_element_type=jnp.float32)
+    return m_new, alpha * denom + p.sum(axis=1, keepdims=True), alpha * acc + pv
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, d: int, block: int, scale: float):
     i = pl.program_id(2)
     tile = q_ref.shape[-1]
@@ -81,26 +95,32 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, d: int, block: int, 
     out = jnp.zeros((block, tile), jnp.float32)
     for head in range(tile // d):
         lanes = _head_lanes(head, d, tile)
-        qh = jnp.where(lanes, q, 0)
-
-        def visit(j, carry, diagonal=False):
-            m, l, acc = carry
-            rows = pl.ds(pl.multiple_of(j * block, block), block)
-            s = jax.lax.dot_general(qh, k_ref[rows, :], NT, preferred_element_type=jnp.float32)
-            if diagonal:
-                s = jnp.where(causal, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-            p = jnp.exp(s - m_new)
-            alpha = jnp.exp(m - m_new)
-            pv = jnp.dot(p.astype(v_ref.dtype), v_ref[rows, :], preferred_element_type=jnp.float32)
-            return m_new, alpha * l + p.sum(axis=1, keepdims=True), alpha * acc + pv
-
+        visit = functools.partial(_forward_visit, qh=jnp.where(lanes, q, 0), k_ref=k_ref, v_ref=v_ref, block=block)
         init = (jnp.full((block, 1), -jnp.inf, jnp.float32), jnp.zeros((block, 1), jnp.float32),
                 jnp.zeros((block, tile), jnp.float32))
-        m, l, acc = visit(i, jax.lax.fori_loop(0, i, visit, init), diagonal=True)
-        out = jnp.where(lanes, acc / l, out)
-        lse_ref[head, pl.ds(i, 1), :] = _row(m + jnp.log(l), block)
+        m, denom, acc = visit(i, jax.lax.fori_loop(0, i, visit, init), causal=causal)
+        out = jnp.where(lanes, acc / denom, out)
+        lse_ref[head, pl.ds(i, 1), :] = _row(m + jnp.log(denom), block)
     o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _backward_visit(i, carry, *, head: int, lanes, kh, vh, refs, block: int, scale: float, causal=None):
+    """Query block `i`'s part of one head's dK and dV (returned) and of its dQ (summed into VMEM)."""
+    q_ref, do_ref, lse_ref, delta_ref, dq_acc = refs
+    dk, dv = carry
+    rows = pl.ds(pl.multiple_of(i * block, block), block)
+    qh = jnp.where(lanes, _scaled(q_ref[rows, :], scale), 0)
+    doh = jnp.where(lanes, do_ref[rows, :], 0)
+    st = jax.lax.dot_general(kh, qh, NT, preferred_element_type=jnp.float32)  # [keys, queries]
+    pt = jnp.exp(st - lse_ref[head, pl.ds(i, 1), :])
+    if causal is not None:
+        pt = jnp.where(causal, pt, 0.0)
+    dv = dv + jnp.dot(pt.astype(doh.dtype), doh, preferred_element_type=jnp.float32)
+    dpt = jax.lax.dot_general(vh, doh, NT, preferred_element_type=jnp.float32)
+    dst = (pt * (dpt - delta_ref[head, pl.ds(i, 1), :])).astype(qh.dtype)
+    dk = dk + jnp.dot(dst, qh, preferred_element_type=jnp.float32)
+    dq_acc[rows, :] += jax.lax.dot_general(dst, kh, TN, preferred_element_type=jnp.float32)
+    return dk, dv
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, dq_acc,
@@ -115,31 +135,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk
     tile = k.shape[-1]
     causal = (jax.lax.broadcasted_iota(jnp.int32, (block, block), 0)  # [keys, queries]
               <= jax.lax.broadcasted_iota(jnp.int32, (block, block), 1))
-    dk = jnp.zeros((block, tile), jnp.float32)
-    dv = jnp.zeros((block, tile), jnp.float32)
+    carry = (jnp.zeros((block, tile), jnp.float32), jnp.zeros((block, tile), jnp.float32))
     for head in range(tile // d):
         lanes = _head_lanes(head, d, tile)
-        kh, vh = jnp.where(lanes, k, 0), jnp.where(lanes, v, 0)
-
-        def visit(i, carry, diagonal=False):
-            dk, dv = carry
-            rows = pl.ds(pl.multiple_of(i * block, block), block)
-            qh = jnp.where(lanes, _scaled(q_ref[rows, :], scale), 0)
-            doh = jnp.where(lanes, do_ref[rows, :], 0)
-            st = jax.lax.dot_general(kh, qh, NT, preferred_element_type=jnp.float32)  # [keys, queries]
-            pt = jnp.exp(st - lse_ref[head, pl.ds(i, 1), :])
-            if diagonal:
-                pt = jnp.where(causal, pt, 0.0)
-            dv = dv + jnp.dot(pt.astype(doh.dtype), doh, preferred_element_type=jnp.float32)
-            dpt = jax.lax.dot_general(vh, doh, NT, preferred_element_type=jnp.float32)
-            dst = (pt * (dpt - delta_ref[head, pl.ds(i, 1), :])).astype(qh.dtype)
-            dk = dk + jnp.dot(dst, qh, preferred_element_type=jnp.float32)
-            dq_acc[rows, :] += jax.lax.dot_general(dst, kh, TN, preferred_element_type=jnp.float32)
-            return dk, dv
-
-        dk, dv = jax.lax.fori_loop(j + 1, blocks, visit, visit(j, (dk, dv), diagonal=True))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+        visit = functools.partial(_backward_visit, head=head, lanes=lanes, kh=jnp.where(lanes, k, 0),
+                                  vh=jnp.where(lanes, v, 0), refs=(q_ref, do_ref, lse_ref, delta_ref, dq_acc),
+                                  block=block, scale=scale)
+        carry = jax.lax.fori_loop(j + 1, blocks, visit, visit(j, carry, causal=causal))
+    dk_ref[...] = carry[0].astype(dk_ref.dtype)
+    dv_ref[...] = carry[1].astype(dv_ref.dtype)
 
     @pl.when(j == blocks - 1)
     def _():
