@@ -4,8 +4,13 @@
     .venv/bin/python recipes/train_gpt.py --steps 50 --data.corpus 'notes/**/*.md'
 """
 
-from eqgpt.cli.train import *  # noqa: F403  (the recipe's names: TrainConfig, main, parse_flags, ...)
-from eqgpt.cli.train import run
+if __name__ == "__main__":  # before the heavy imports, which a restart would repeat
+    from eqgpt.launch import restart_with_malloc_tunables
+
+    restart_with_malloc_tunables()
+
+from eqgpt.cli.train import *  # noqa: E402, F403  (the recipe's names: TrainConfig, main, parse_flags, ...)
+from eqgpt.cli.train import run  # noqa: E402
 
 if __name__ == "__main__":
     run()

@@ -124,3 +124,16 @@ def test_the_help_example_trains_and_a_mismatched_batch_names_the_fix(tmp_path):
     for rank in (0, 1):
         assert f"[rank {rank}] error: --batch-size 5 does not split over 2 processes" in bad.stdout + bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+
+def test_the_malloc_restart_comes_before_jax_is_imported():
+    """`eqgpt-train` and `recipes/train_gpt.py` restart with the malloc settings before importing JAX
+    and the trainer: a restart after them would import them twice (about 2 s)."""
+    env = {**os.environ, "GLIBC_TUNABLES": "set: no restart in this check"}
+    code = "import sys, eqgpt.cli.entry; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    recipe = (Path(__file__).resolve().parents[1] / "recipes" / "train_gpt.py").read_text()
+    assert recipe.index("restart_with_malloc_tunables()") < recipe.index("from eqgpt.cli.train import")

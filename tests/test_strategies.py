@@ -22,7 +22,6 @@ import pytest
 import tyro
 from filelock import FileLock
 
-from eqgpt.launch import GLIBC_MALLOC_TUNABLES
 from recipe_runs import RECIPES, load_recipe, run_dir, shared_dir, subprocess_compile_cache
 
 # A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
@@ -91,7 +90,7 @@ def run(corpus: list[str], out: Path, strategy: str, *extra: str, cache: tuple |
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
     env, cache_flags = cache or (os.environ, [])
     # XLA_FLAGS comes from conftest.py: every compile at XLA:CPU's backend optimisation level 0.
-    env = {**env, "JAX_NUM_CPU_DEVICES": "8", "GLIBC_TUNABLES": GLIBC_MALLOC_TUNABLES}
+    env = {**env, "JAX_NUM_CPU_DEVICES": "8"}  # GLIBC_TUNABLES from conftest.py: glibc's defaults
     proc = subprocess.run([sys.executable, str(RECIPE_PATH), *args, *cache_flags], env=env, capture_output=True,
                           text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"train_gpt.py {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
