@@ -123,6 +123,9 @@ def test_splash_refuses_lengths_and_masks_it_has_no_form_of():
 def test_auto_picks_flash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
     bf16 = jnp.bfloat16
     assert auto_kernel_name(CausalMask(), 1024, 1024, bf16, platform="tpu") == "flash"
+    assert auto_kernel_name(CausalMask(), 4096, 4096, bf16, platform="tpu") == "flash"
+    assert auto_kernel_name(CausalMask(), 512, 512, bf16, platform="tpu") == "splash"  # flash unmeasured there
+    assert auto_kernel_name(CausalMask(), 8192, 8192, bf16, platform="tpu") == "splash"
     assert auto_kernel_name(CausalMask(), 1000, 1000, bf16, platform="tpu") == "blockwise"  # not a multiple of 128
     assert auto_kernel_name(CausalMask(), 1024, 1024, bf16, platform="gpu") == "cudnn"
     assert auto_kernel_name(CausalMask(), 1024, 1024, jnp.float32, platform="gpu") == "blockwise"
@@ -190,4 +193,4 @@ def test_splash_inside_a_shard_map_that_checks_types_equals_outside():
     want = jax.value_and_grad(lambda *a: jnp.sum(dense(*a) * ct), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
-    assert auto_kernel_name(CausalMask(), T, T, jnp.bfloat16, platform="tpu") == "flash"
+    assert auto_kernel_name(CausalMask(), T, T, jnp.bfloat16, platform="tpu") == "splash"

@@ -74,7 +74,7 @@ class GPTConfig:
     - `use_bias`: biases in linear layers and LayerNorms (GPT-2: yes, Llama: no).
     - `tie_embeddings`: reuse the token table as the output head.
     - `attention_kernel`: "auto" (the fastest built-in for the backend and length: flash
-      on TPU, cudnn on GPU, reference or blockwise on CPU), "reference", "blockwise",
+      or splash on TPU, cudnn on GPU, reference or blockwise on CPU), "reference", "blockwise",
       "splash", "flash", "cudnn", or a name given to `eqgpt.nn.kernels.register_kernel`.
     - `mask`, `window`: "causal" or "sliding" (with `window` keys).
     - `remat`: gradient checkpointing per block (see `eqgpt.nn.remat`).

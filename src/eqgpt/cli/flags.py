@@ -82,8 +82,8 @@ class ModelConfig:
     dropless: bool | None = None
     """Override: compute every routed token (grouped matmul; no capacity, nothing drops)."""
     attention_kernel: str | None = None
-    ("Override: attention kernel: auto (default: flash on TPU, cudnn on GPU, reference or blockwise on CPU by "
-     "length), reference, blockwise, splash, flash, cudnn, or a registered name.")
+    ("Override: attention kernel: auto (default: flash or splash on TPU, cudnn on GPU, reference or "
+     "blockwise on CPU, by length), reference, blockwise, splash, flash, cudnn, or a registered name.")
     remat: str | None = None
     ("Override: gradient checkpointing per layer: none, full, minimal (save every matmul output), "
      "save_dot_except_mlp, save_qkv_proj, save_out_proj, names:..., offload:... (eqgpt.nn.remat).")

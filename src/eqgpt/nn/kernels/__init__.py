@@ -16,7 +16,8 @@ or an `eqx.Module` with no arrays, e.g. `eqgpt.parallel.context.ContextKernel`).
 Built in: `reference` (dense, the oracle), `blockwise` (flash-style in plain JAX),
 `splash` (JAX's Pallas TPU kernel; interpret mode elsewhere), `flash` (our own Pallas
 kernel for causal attention on the model's layout, splash for every other case), `cudnn`
-(GPU), and `auto`, which picks per call (`auto_kernel_name`): `flash` on TPU, `cudnn` on GPU,
+(GPU), and `auto`, which picks per call (`auto_kernel_name`): on TPU `flash` at the lengths
+where it was measured faster than `splash` (`TPU_FLASH_LENGTHS`) and `splash` at others, `cudnn` on GPU,
 and on CPU `reference` up to `CPU_BLOCKWISE_FROM` tokens, `blockwise` from there.
 """
 
@@ -35,6 +36,9 @@ _BUILTIN = ("auto", "reference", "blockwise", "splash", "flash", "cudnn")
 # On CPU, `auto` runs `blockwise` from this many keys on: measured forward + backward
 # (`benchmarks/attention_speed.py --cpu`, docs/profiling.md).
 CPU_BLOCKWISE_FROM = 512
+# On TPU, `auto` runs `flash` at these sequence lengths, where a v5e measured it faster than
+# `splash` (`benchmarks/attention_speed.py`, docs/measured/attention_flash.txt), and `splash` elsewhere.
+TPU_FLASH_LENGTHS = (1024, 4096)
 _REGISTERED: dict[str, Kernel] = {}
 
 
@@ -79,8 +83,10 @@ def auto_kernel_name(mask, q_len: int, k_len: int, dtype, platform: str | None =
         from eqgpt.nn.kernels.splash import supports
         from eqgpt.nn.kernels.typed import can_call_pallas
 
-        fits = supports(mask, q_len) and supports(mask, k_len) and can_call_pallas()
-        return "flash" if fits else "blockwise"
+        if not (supports(mask, q_len) and supports(mask, k_len) and can_call_pallas()):
+            return "blockwise"
+        lo, hi = TPU_FLASH_LENGTHS
+        return "flash" if lo <= q_len <= hi and lo <= k_len <= hi else "splash"
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "blockwise" if k_len >= CPU_BLOCKWISE_FROM else "reference"
@@ -93,4 +99,4 @@ def auto_attention(q, k, v, *, mask, q_pos, k_pos, q_seg=None, k_seg=None, scale
 
 
 __all__ = ["Kernel", "get_kernel", "register_kernel", "kernel_names", "auto_kernel_name",
-           "CPU_BLOCKWISE_FROM"]
+           "CPU_BLOCKWISE_FROM", "TPU_FLASH_LENGTHS"]
