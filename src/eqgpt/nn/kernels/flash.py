@@ -36,10 +36,10 @@ from eqgpt.nn.kernels.splash import check_lengths, splash_attention
 from eqgpt.nn.mask import CausalMask, Mask
 
 LANES = 128
-# Query and key block: 512 measured fastest at T=1024, head_dim 64 (docs/measured/attention_flash.txt).
 BLOCK = 512
-# The backward keeps a head pair's q, dout and fp32 dq for the whole sequence in VMEM.
+"""Query and key block: 512 measured fastest at T=1024 to 4096, head_dim 64 (docs/measured/attention_flash.txt)."""
 MAX_SEQ = 4096
+"""The longest sequence it runs: the backward keeps a tile's q, dout and fp32 dq for the whole sequence in VMEM."""
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
