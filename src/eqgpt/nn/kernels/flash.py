@@ -31,8 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.kernels.mesh import on_local_shards
-from eqgpt.nn.kernels.splash import _local_attention as splash_local
-from eqgpt.nn.kernels.splash import check_lengths, splash_attention
+from eqgpt.nn.kernels.splash import check_lengths, local_splash, splash_attention
 from eqgpt.nn.mask import CausalMask, Mask
 
 LANES = 128
@@ -225,7 +224,7 @@ causal_flash.defvjp(_fwd, _bwd)
 def _local_attention(q, k, v, q_seg, k_seg, *, scale):
     """One device's causal attention, `[b, t, h, d]` in and out: this kernel where it applies, splash elsewhere."""
     if q_seg is not None or not supports(q.shape, k.shape):
-        return splash_local(q, k, v, q_seg, k_seg, kind="causal", window=None, scale=scale)
+        return local_splash(q, k, v, q_seg, k_seg, kind="causal", window=None, scale=scale)
     b, t, h, d = q.shape
     flat = lambda x: x.reshape(b, t, h * d)  # noqa: E731  (a free reshape: heads side by side)
     block = math.gcd(BLOCK, t)

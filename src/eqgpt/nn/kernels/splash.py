@@ -120,8 +120,8 @@ def _kernel(kind: str, window: int | None, heads: int, q_len: int, k_len: int, b
                                   q_seq_shards=1, interpret=interpret)
 
 
-def _local_attention(q, k, v, q_seg, k_seg, *, kind, window, scale):
-    """Splash attention on one device's arrays: `[b, t, h, d]` in, out."""
+def local_splash(q, k, v, q_seg, k_seg, *, kind, window, scale):
+    """Splash attention on one device's arrays (no mesh): `[b, t, h, d]` in, out; `kind` "causal", "local" or "full"."""
     b, t, h, d = q.shape
     s = k.shape[1]
     kernel = _kernel(kind, window, h, t, s, block_sizes(min(t, s), d, q.dtype), jax.default_backend() != "tpu")
@@ -159,8 +159,8 @@ def splash_attention(
     if (q_seg is None) != (k_seg is None):
         raise ValueError("Pass both q_seg and k_seg, or neither.")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return on_local_shards(functools.partial(_local_attention, kind=kind, window=window, scale=scale),
+    return on_local_shards(functools.partial(local_splash, kind=kind, window=window, scale=scale),
                            q, k, v, q_seg, k_seg)
 
 
-__all__ = ["splash_attention", "Blocks", "block_sizes", "supports", "check_lengths"]
+__all__ = ["splash_attention", "local_splash", "Blocks", "block_sizes", "supports", "check_lengths"]
