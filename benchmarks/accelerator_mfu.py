@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="gpt2-small")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--kernel", default="auto", help="attention kernel (default auto: flash or splash on TPU, cudnn on GPU)")
+    p.add_argument("--kernel", default="auto",
+                   help="attention kernel (default auto: flash or splash on TPU, cudnn on GPU)")
     p.add_argument("--remat", default=None, help="remat policy (default: the preset's)")
     p.add_argument("--scan-layers", action="store_true", help="scan the layers (default: as the recipe, "
                    "unrolled up to 12 layers on an accelerator, eqgpt.config.scans_by_default)")
