@@ -31,10 +31,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.kernels.mesh import on_local_shards
-from eqgpt.nn.kernels.splash import check_lengths, local_splash, splash_attention
+from eqgpt.nn.kernels.splash import LANES, check_lengths, local_splash, splash_attention
 from eqgpt.nn.mask import CausalMask, Mask
 
-LANES = 128
 BLOCK = 512
 """Query and key block: 512 measured fastest at T=1024 to 4096, head_dim 64 (docs/measured/attention_flash.txt)."""
 MAX_SEQ = 4096
