@@ -124,7 +124,8 @@ def test_auto_picks_flash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
     bf16 = jnp.bfloat16
     assert auto_kernel_name(CausalMask(), 1024, 1024, bf16, platform="tpu") == "flash"
     assert auto_kernel_name(CausalMask(), 4096, 4096, bf16, platform="tpu") == "flash"
-    assert auto_kernel_name(CausalMask(), 512, 512, bf16, platform="tpu") == "splash"  # flash unmeasured there
+    assert auto_kernel_name(CausalMask(), 512, 512, bf16, platform="tpu") == "flash"
+    assert auto_kernel_name(CausalMask(), 256, 256, bf16, platform="tpu") == "splash"  # flash unmeasured there
     assert auto_kernel_name(CausalMask(), 8192, 8192, bf16, platform="tpu") == "splash"
     assert auto_kernel_name(CausalMask(), 1000, 1000, bf16, platform="tpu") == "blockwise"  # not a multiple of 128
     assert auto_kernel_name(CausalMask(), 1024, 1024, bf16, platform="gpu") == "cudnn"
