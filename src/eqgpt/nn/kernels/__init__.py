@@ -37,7 +37,8 @@ _BUILTIN = ("auto", "reference", "blockwise", "splash", "flash", "cudnn")
 # (`benchmarks/attention_speed.py --cpu`, docs/profiling.md).
 CPU_BLOCKWISE_FROM = 512
 # On TPU, `auto` runs `flash` at these sequence lengths, where a v5e measured it faster than
-# `splash` (`benchmarks/attention_speed.py`, docs/measured/attention_flash.txt and attention_flash_512.txt), and `splash` elsewhere.
+# `splash` (`benchmarks/attention_speed.py`, docs/measured/attention_flash.txt and
+# attention_flash_512.txt), and `splash` elsewhere.
 TPU_FLASH_LENGTHS = (512, 4096)
 _REGISTERED: dict[str, Kernel] = {}
 
