@@ -1,5 +1,6 @@
 """Every `recipes/train_gpt.py` command of docs/parallelism/*.md runs to its end, trimmed to a tiny
-model and two steps: it trains, validates, samples and writes its plot, samples and summary."""
+model and two steps (its layers scanned): it trains, validates, samples and writes its plot, samples
+and summary."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ BLOCK = re.compile(r"^```(?:bash|text)\n(.*?)^```", re.S | re.M)
 # Appended, so they win over the command's own values: a tiny model, two steps, a few samples.
 TRIM = ["--steps", "2", "--batch-size", "16", "--model.embed-dim", "32", "--model.seq-len", "32",
         "--eval-windows", "2", "--eval-every", "2", "--log-every", "1", "--sample-tokens", "4",
-        "--sample-prompts", "def ", "--no-progress", "--peak-flops", "1e12", "--no-compile-cache"]
+        "--sample-prompts", "def ", "--no-progress", "--peak-flops", "1e12", "--no-compile-cache",
+        "--model.scan-layers"]  # compile-bound: layers scanned (recipe_runs.TINY says why)
 
 
 def page_commands() -> dict[str, str]:

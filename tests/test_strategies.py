@@ -27,8 +27,10 @@ from recipe_runs import RECIPES, load_recipe, run_dir, shared_dir, subprocess_co
 # A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
 # (tensor=4), 32 positions (zigzag over context=2, SP over tensor=4), batch 16
 # (2 data-parallel devices x 4 microbatches x 2 rows). A constant learning rate, so
-# steps 4..6 resumed from a step-3 checkpoint continue any run of 5 or 6 steps.
-MODEL = ["--model.num-layers", "4", "--model.num-heads", "4", "--model.embed-dim", "32", "--model.seq-len", "32"]
+# steps 4..6 resumed from a step-3 checkpoint continue any run of 5 or 6 steps. Layers scanned, as
+# in every compile-bound recipe run of the suite (`recipe_runs.TINY`).
+MODEL = ["--model.num-layers", "4", "--model.num-heads", "4", "--model.embed-dim", "32", "--model.seq-len", "32",
+         "--model.scan-layers"]
 RUN = ["--peak-flops", "1e12", "--batch-size", "16", "--log-every", "1", "--eval-windows", "0", "--sample-tokens", "0",
        "--no-progress", "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
 
