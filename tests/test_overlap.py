@@ -32,7 +32,7 @@ MESHES = {"dp": ["--mesh", "data=8", "--strategy", "dp"], "fsdp": ["--mesh", "fs
           "fsdp+tp": ["--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"]}
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.xdist_group(m)) for m in MESHES])
+@pytest.mark.parametrize("mesh", list(MESHES))
 def test_overlap_trains_like_one_device(mesh, corpus, tmp_path_factory):  # noqa: F811
     """Losses and gradient norms, 5 steps, against one device (that the same meshes without
     overlap train like one device, test_strategies and test_gradient_parity show)."""

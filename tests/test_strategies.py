@@ -128,12 +128,7 @@ def trained(strategy: str, corpus, tmp_path_factory) -> tuple[list[float], Path]
     return _RUNS[strategy]
 
 
-def group(strategies):
-    """Each strategy's tests on one xdist worker (`--dist loadgroup`), so its run is shared."""
-    return [pytest.param(s, marks=pytest.mark.xdist_group(s)) for s in strategies]
-
-
-@pytest.mark.parametrize("strategy", group(COMPOSED))
+@pytest.mark.parametrize("strategy", COMPOSED)
 def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path_factory):
     losses, _ = trained(strategy, corpus, tmp_path_factory)
     np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
@@ -145,7 +140,7 @@ def test_collective_matmul_and_buckets_train_like_one_device(on, corpus, tmp_pat
     np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
 
 
-@pytest.mark.parametrize("saved", group(PORTABLE))
+@pytest.mark.parametrize("saved", PORTABLE)
 def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_path_factory):
     ref = trained("single", corpus, tmp_path_factory)[0]
     first, saved_dir = trained(saved, corpus, tmp_path_factory)
@@ -160,7 +155,6 @@ def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_pat
         np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5, err_msg=f"saved under {saved}, resumed under {target}")
 
 
-@pytest.mark.xdist_group("pipeline=4,data=2 zb1")
 def test_zero_bubble_checkpoint_restores_on_one_device(corpus, tmp_path, tmp_path_factory):
     """The step-3 checkpoint of the ZB-H1 run continues on one device like the uninterrupted run."""
     ref = trained("single", corpus, tmp_path_factory)[0]

@@ -45,7 +45,7 @@ def losses(root, mesh=None, mode="packed"):
     return run_once(root, mesh, [*MODEL, "--steps", str(STEPS), "--data.mode", mode, "--mesh", mesh, *flags, *extra])
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.xdist_group("ulysses")) for m in MESHES])
+@pytest.mark.parametrize("mesh", list(MESHES))
 def test_ulysses_training_equals_one_device(corpus, mesh):
     got, want = losses(corpus, mesh), losses(corpus, mode=MESHES[mesh][0])
     assert len(got) == len(want) == STEPS and want[-1]["loss"] < want[0]["loss"]
@@ -53,7 +53,6 @@ def test_ulysses_training_equals_one_device(corpus, mesh):
     np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-5)
 
 
-@pytest.mark.xdist_group("ulysses")
 def test_ulysses_checkpoint_restores_on_one_device(corpus):
     """The step-3 checkpoint of the `context=4,data=2` run, resumed on one device: steps 4
     and 5 equal the uninterrupted run's."""

@@ -86,7 +86,8 @@ def make_train_step(
     **Returns:** `step(state, batch) -> (state, metrics)` with metrics `loss`,
     `grad_norm`, `skipped` (1 if this update was dropped) and the aux entries. If
     the loss or the gradients' global norm is not finite (a gradient that is not, or
-    a norm beyond fp32's range), model and optimizer state are left unchanged, `state.skipped` grows by one and `state.step` still advances.
+    a norm beyond fp32's range), model and optimizer state are left unchanged,
+    `state.skipped` grows by one and `state.step` still advances.
 
     The update runs as the strategy says (`Strategy.sharded_update`: ZeRO updates
     each device's block). With a loss-scaling policy the state carries a
