@@ -11,6 +11,7 @@ import pytest
 
 from eqgpt.data import Batch, BatchLoader
 from eqgpt.nn import GPT
+from eqgpt.nn.loss import lm_batch_loss
 from eqgpt.profile.flops import flops_per_token, matmul_params
 from eqgpt.train import (
     Policy,
@@ -87,6 +88,25 @@ def test_nonfinite_guard_skips_update_and_counts():
     assert int(m["skipped"]) == 1 and int(state.skipped) == 1 and int(state.step) == 2
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(host(state)), strict=True):
         np.testing.assert_array_equal(x, y)  # bit-identical (NaN where it was NaN)
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(bad):
+    """The guard reads the gradients' global norm: one bad entry of one leaf drops the update."""
+    state = init(OPT)
+    state, _ = STEP(state, batch_of(0))
+    good = eqx.filter_value_and_grad(lm_batch_loss, has_aux=True)
+
+    def grad_fn(model, batch):
+        loss_and_aux, grads = good(model, batch)
+        return loss_and_aux, eqx.tree_at(lambda g: g.norm.weight, grads, replace_fn=lambda w: w.at[0].set(bad))
+
+    before = host(state)
+    state, m = make_train_step(OPT, grad_fn=grad_fn, donate=False)(state, batch_of(1))
+    assert np.isfinite(float(m["loss"])) and not np.isfinite(float(m["grad_norm"]))
+    assert int(m["skipped"]) == 1 and int(state.skipped) == 1 and int(state.step) == 2
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(host(state)), strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_decay_mask_from_module_structure():
