@@ -74,6 +74,13 @@ def test_check_fits_names_the_gib_and_the_flags():
 
     with pytest.raises(DoesNotFit, match=r"needs 20\.07 GiB of device memory \(15\.75 GiB available\)"):
         check_fits(compiler_out_of_memory, limit=2**34)
+
+    def tpu_compiler_out_of_memory():  # as XLA:TPU (jax 0.10.2, v5e) words it: docs/measured/recipe_oom.txt
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                           "temporaries (20.66G) exceeds available HBM (15.75G).")
+
+    with pytest.raises(DoesNotFit, match=r"needs 20\.66 GiB of device memory \(15\.75 GiB available\)"):
+        check_fits(tpu_compiler_out_of_memory, limit=2**34)
     if jax.devices()[0].memory_stats() is None:  # the CPU: no known limit, nothing compiled
         assert check_fits(compiler_out_of_memory) is None
 

@@ -62,6 +62,22 @@ def _out_of_memory(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text.lower()
 
 
+# XLA's out-of-memory errors name the bytes needed and available in one of two ways (sizes such as
+# "20.66G", in units of 1024): "Used 20.07G of 15.75G hbm" (at allocation), and, from the TPU
+# compiler, "the total memory required for HLO temporaries (20.66G) exceeds available HBM (15.75G)".
+_NEEDED_OF_AVAILABLE = (re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])"),
+                        re.compile(r"\(([\d.]+)([KMGT])\) exceeds available \w+ \(([\d.]+)([KMGT])\)"))
+
+
+def _needed_and_available(text: str) -> tuple[int, int] | None:
+    """The bytes an out-of-memory error says were needed and available, if it says."""
+    unit = lambda n, u: int(float(n) * 2 ** (10 * "KMGT".index(u) + 10))  # noqa: E731
+    for pattern in _NEEDED_OF_AVAILABLE:
+        if found := pattern.search(text):
+            return unit(*found.group(1, 2)), unit(*found.group(3, 4))
+    return None
+
+
 def check_fits(compile_step: Callable[[], Any], *, what: str = "the training step",
                limit: int | None = None) -> Any:
     """Compile with `compile_step()` and **return** the compiled step if it fits the device's memory.
@@ -77,10 +93,7 @@ def check_fits(compile_step: Callable[[], Any], *, what: str = "the training ste
         compiled = compile_step()
     except Exception as e:  # noqa: BLE001  (XLA's own out-of-memory error, at compile or allocation)
         if _out_of_memory(e):
-            used = re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])", str(e))
-            unit = lambda n, u: int(float(n) * 2 ** (10 * "KMGT".index(u) + 10))  # noqa: E731
-            needed = unit(*used.group(1, 2)) if used else None
-            available = unit(*used.group(3, 4)) if used else limit
+            needed, available = _needed_and_available(str(e)) or (None, limit)
             raise DoesNotFit(needed, available, what) from None
         raise
     if (needed := step_bytes(compiled)) > limit:
