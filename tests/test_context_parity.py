@@ -43,7 +43,7 @@ def assert_same_training(ref, out):
         np.testing.assert_allclose(out[1][path], want, rtol=1e-5, atol=NOISE_ONLY.get(path, PARAM_ATOL), err_msg=path)
 
 CASES = [
-    # (model, mesh, base strategy, kernel); ring and Ulysses over context=4,data=2 (and context=2,data=4)
+    # (model, mesh, base strategy, kernel); ring over context=4,data=2 and Ulysses over context=2,data=4
     # are compared leaf by leaf at the first step in test_gradient_parity.
     ("gpt", "context=2,tensor=2,fsdp=2", "fsdp+tp", "ring"),
     ("llama", "context=2,tensor=2,fsdp=2", "fsdp+tp", "allgather"),

@@ -33,7 +33,6 @@ OPTIMIZER = make_optimizer(1e-3, clip_norm=0.5, weight_decay=0.1)
 
 
 @functools.cache
-@functools.cache  # the data-parallel baseline serves every comparison of a worker
 def run(mesh: str, rules: str, zero: int = 0, manual: bool = False):
     """5 steps of `make_train_step`: losses, final arrays, compiled step, strategy, start state."""
     strategy = ParallelFlags.parse(mesh, rules, zero=zero, manual=manual)
