@@ -67,6 +67,8 @@ def run_case(case: Case, preset: str, batch: int, seq: int | None, vocab: int | 
     durations: dict[str, float] = {}
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **_: durations.__setitem__(event, durations.get(event, 0.0) + secs))
+    events: list[str] = []
+    jax.monitoring.register_event_listener(lambda event, **_: events.append(event))
 
     import numpy as np
 
@@ -95,6 +97,7 @@ def run_case(case: Case, preset: str, batch: int, seq: int | None, vocab: int | 
     before = dict(durations)
     lowered = step.lower(state, batch_arrays)
     t_lower = time.perf_counter()
+    events.clear()
     lowered.compile()
     t_compile = time.perf_counter()
     mlir = durations.get("/jax/core/compile/jaxpr_to_mlir_module_duration", 0.0) - before.get(
@@ -102,6 +105,7 @@ def run_case(case: Case, preset: str, batch: int, seq: int | None, vocab: int | 
     return {
         "construct": t_construct - t0, "init": t_init - t_construct,
         "trace": t_lower - t_init - mlir, "lower": mlir, "compile": t_compile - t_lower, "ready": t_compile - t0,
+        "cached": "/jax/compilation_cache/cache_hits" in events,
     }
 
 
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"call to a compiled step (load average {os.getloadavg()[0]:.1f})")
     head = (f"{'case':<16} {'layers':>6} {'construct':>9} {'init':>6} {'trace':>6} {'lower':>6} {'compile':>7} "
             f"{'ready':>6}")
-    print(head + ("  start" if args.cache else ""))
+    print(head + ("  start  step" if args.cache else ""))
     for name in args.cases:
         case = CASES[name]._replace(scan=False) if args.unrolled else CASES[name]
         if args.cache:
@@ -161,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         for when in ("cold", "warm") if args.cache else ("",):
             r = start(name, args, args.cache)
             layers = f"{args.layers or case.layers}{'s' if case.scan else 'u'}"
+            source = f"  {when:<5}  {'cached' if r['cached'] else 'compiled'}" if args.cache else ""
             print(f"{name:<16} {layers:>6} {r['construct']:9.2f} {r['init']:6.2f} {r['trace']:6.2f} {r['lower']:6.2f} "
-                  f"{r['compile']:7.2f} {r['ready']:6.2f}  {when}".rstrip(), flush=True)
+                  f"{r['compile']:7.2f} {r['ready']:6.2f}{source}", flush=True)
     print("layers: s scanned (one lax.scan), u unrolled; construct: shapes under eval_shape and the strategy's checks; "
           "init: model and optimizer state created in their shardings (compile and run); compile: the step's XLA "
-          "compile, or its read from the cache on a warm start")
+          "compile, or its read from the cache on a warm start; step: whether the compile was a persistent-cache hit "
+          "(JAX's cache-hit event)")
     return 0
 
 

@@ -66,13 +66,12 @@ def test_compile_time_prints_each_phase_of_a_cold_and_a_warm_start(tmp_path, cap
             "--cache", str(tmp_path)]
     assert load("compile_time").main(args) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("1 device")]
-    assert [r[-1] for r in rows] == ["cold", "warm"]
+    assert [r[-2:] for r in rows] == [["cold", "compiled"], ["warm", "cached"]]  # JAX's cache-hit event
     (cold, warm) = [dict(zip(["construct", "init", "trace", "lower", "compile", "ready"], map(float, r[3:9]),
                              strict=True))
                     for r in rows]
     for r in (cold, warm):  # the phases add up to the time to a compiled step
         assert abs(sum(v for k, v in r.items() if k != "ready") - r["ready"]) < 0.05, r
-    assert warm["compile"] < cold["compile"] / 2  # the warm start read the step from the cache
 
 
 def test_matmul_floor_reads_the_matmuls_of_the_whole_training_step():
