@@ -8,7 +8,7 @@ import pytest
 
 import eqgpt
 from eqgpt.nn.mlp import gelu_tanh
-from eqgpt.nn.moe import MoE, assign_slots, sort_by_group
+from eqgpt.nn.moe import MoE, assign_slots
 from helpers import TINY, assert_trees_close
 
 E, D, F, B, T = 4, 16, 24, 3, 10
@@ -123,14 +123,6 @@ def test_every_nth_layer_is_moe_and_decodes_like_the_forward():
     assert abs(float(aux["moe_load"].sum()) - 1) < 1e-6
     logits, _ = model.decode(tok, model.init_cache(2, 16), 0)
     np.testing.assert_allclose(logits, model(tok), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("n, groups", [(1000, 8), (50_000, 8), (300, 10**7)], ids=["packed", "index-falls-back", "key-falls-back"])
-def test_sort_by_group_is_a_stable_argsort_and_its_inverse(n, groups):
-    keys = np.random.default_rng(0).integers(0, min(groups, 5), n)  # many ties; some groups empty
-    order, back = sort_by_group(jnp.asarray(keys, jnp.int32), groups)
-    np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
-    np.testing.assert_array_equal(np.asarray(order)[np.asarray(back)], np.arange(n))
 
 
 def test_dropless_dispatch_differentiates_into_gathers_not_scatters():

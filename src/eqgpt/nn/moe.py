@@ -26,7 +26,6 @@ load-balancing loss (Switch/GShard), the router z-loss and the metrics.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -316,8 +315,9 @@ class MoE(eqx.Module):
     def _grouped(self, x, top_e, weights):
         b, t, d = x.shape
         flat_e = top_e.reshape(-1)  # token-major: [t0 k0, t0 k1, t1 k0, ...]
-        order, back = sort_by_group(flat_e, self.num_experts)
-        rows = _take_rows(x.reshape(b * t, d), order, back, self.top_k)
+        order = jnp.argsort(flat_e, stable=True)
+        back = jnp.argsort(order)  # the inverse permutation
+        rows = _permute(jnp.repeat(x.reshape(b * t, d), self.top_k, axis=0), order, back)
         sizes = jnp.sum(flat_e[:, None] == jnp.arange(self.num_experts), axis=0, dtype=jnp.int32)  # no scatter
         done = self.experts.grouped(rows, sizes)
         out = _permute(done, back, order)  # back in token order
@@ -327,26 +327,6 @@ class MoE(eqx.Module):
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         """**Returns:** the layer's output (statistics dropped; training uses `with_stats`)."""
         return self.with_stats(x)[0]
-
-
-def sort_by_group(groups: Int[Array, " n"], num_groups: int) -> tuple[Int[Array, " n"], Int[Array, " n"]]:
-    """The stable sort of `groups` as a permutation `order` (`groups[order]` ascends, ties
-    in index order), and its inverse `back`.
-
-    Each is one sort of a single int32 key, `(key, index)` packed as `key * n + index`,
-    rather than an argsort's key and index sorted side by side; a key that could overflow
-    int32 falls back to `jnp.argsort`.
-    """
-    n = groups.shape[0]
-    index = jnp.arange(n, dtype=jnp.int32)
-
-    def argsort(key, bound):
-        if bound * n >= 2**31:
-            return jnp.argsort(key, stable=True).astype(jnp.int32)
-        return jnp.sort(key.astype(jnp.int32) * n + index) % n
-
-    order = argsort(groups, num_groups)
-    return order, argsort(order, n)
 
 
 @jax.custom_vjp
@@ -366,25 +346,6 @@ def _permute_bwd(res, g):
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _take_rows(x: Array, order: Array, back: Array, k: int) -> Array:
-    """`repeat(x, k)[order]` without the repeat: row `i` of the result is `x[order[i] // k]`.
-    Differentiated as a gather too: row `j` of `x` gets the sum of `g[back[j * k + c]]` over `c < k`."""
-    return x[order // k]
-
-
-def _take_rows_fwd(x, order, back, k):
-    return x[order // k], (order, back)
-
-
-def _take_rows_bwd(k, res, g):
-    order, back = res
-    return g[back].reshape(-1, k, g.shape[-1]).sum(axis=1), None, None
-
-
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def mlp_with_stats(mlp: eqx.Module, x: Array, positions: Array | None = None) -> tuple[Array, MoEStats | None]:
