@@ -52,12 +52,6 @@ def accumulate(grad_fn: GradFn, model: PyTree, batch: Batch, accum_steps: int):
     return (mean(loss, loss0), mean(aux, aux0)), mean(grads, grads0)
 
 
-def all_finite(tree: PyTree) -> Array:
-    """Whether every floating element of `tree` is finite (a scalar bool)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
 def make_train_step(
     optimizer: optax.GradientTransformation,
     *,
