@@ -20,6 +20,7 @@ import equinox as eqx
 import jax
 
 from eqgpt.config import GPTConfig
+from eqgpt.interop.families import FAMILIES
 from eqgpt.nn.factory import DEFAULT_BLOCK, get_block, import_modules
 from eqgpt.nn.gpt import GPT
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--to", required=True, type=Path, help="output directory")
     ex.add_argument("--step", type=int, default=None, help="export this Orbax checkpoint step")
     ex.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN/checkpoints")
-    ex.add_argument("--format", choices=("auto", "gpt2", "llama", "mixtral"), default="auto",
+    ex.add_argument("--format", choices=("auto", *FAMILIES), default="auto",
                     help="layout (default: the model's)")
     ex.add_argument("--block", default=None, metavar="MODULE:NAME",
                     help="block factory that built the layers (default: the one the run recorded)")
