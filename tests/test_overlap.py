@@ -21,7 +21,7 @@ import pytest
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.profile import collectives, schedule, schedule_summary, schedule_table
-from eqgpt.profile.collectives import _module_from_text
+from eqgpt.profile.hlo import module_from_text
 from eqgpt.profile.schedule import _Flops, _text
 from eqgpt.train import Strategy
 from parallel_cases import CONFIGS, OPTIMIZER, OPTIONS, batches, sharded_run
@@ -56,7 +56,7 @@ def _compiled_step(mesh: str, rules: str, overlap: bool):
 
 def _loop_gathers(compiled, phase):
     """(all-gathers in the layer loop of `phase`, how many feed none of that iteration's matmuls)."""
-    module = _module_from_text(_text(compiled))
+    module = module_from_text(_text(compiled))
     flops = _Flops(module)
     rows = [r for r in schedule(compiled) if r.collective.kind == "all-gather" and r.collective.phase == phase
             and r.collective.computation != module.entry]
@@ -78,7 +78,7 @@ def test_fsdp_prefetch_is_carried_in_the_scan():
         assert gathers_on == ahead_on > 0, phase
         assert ahead_off < gathers_off / 2, phase
     rows_on, rows_off = collectives(on, strategy.mesh), collectives(off, strategy.mesh)
-    entry = _module_from_text(_text(on)).entry
+    entry = module_from_text(_text(on)).entry
     # The backward loop runs layers 2 and 1 (layer 3 before it, layer 0 after it), a reduce-scatter in each.
     assert any(r.effective_kind == "reduce-scatter" and r.computation != entry and r.executions == 2 for r in rows_on)
 

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from eqgpt.profile.collectives import _nbytes  # one table of HLO dtype sizes
+from eqgpt.profile.hlo import nbytes  # one table of HLO dtype sizes
 from eqgpt.profile.text import table_text
 
 
@@ -95,7 +95,7 @@ def _host_argument_bytes(hlo_text: str) -> int:
     total = 0
     for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\]\{([^}]*)\}", match.group(1)):
         if "S(5)" in layout:
-            total += _nbytes((dtype, tuple(int(d) for d in dims.split(",") if d)))
+            total += nbytes((dtype, tuple(int(d) for d in dims.split(",") if d)))
     return total
 
 

@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eqgpt.profile.collectives import Collective, _human, _Instr, _Module, _module_from_text, _rows
-from eqgpt.profile.text import table_text
+from eqgpt.profile.collectives import Collective, module_collectives
+from eqgpt.profile.hlo import Instr, Module, module_from_text
+from eqgpt.profile.text import human_bytes, table_text
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,11 @@ def _text(compiled: Any) -> str:
 class _Flops:
     """Matmul FLOPs of instructions and computations of one module (memoised)."""
 
-    def __init__(self, module: _Module):
+    def __init__(self, module: Module):
         self.module = module
         self.tables = {c: {i.name: i for i in instrs} for c, instrs in module.comps.items()}
 
-    def of(self, comp: str, ins: _Instr) -> int:
+    def of(self, comp: str, ins: Instr) -> int:
         if ins.opcode == "dot" and ins.arrays and ins.operands:
             lhs = self.tables[comp].get(ins.operands[0])
             if lhs is None or not lhs.arrays:
@@ -134,7 +135,7 @@ def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
     return seen
 
 
-def _place(module: _Module, flops: _Flops, row: Collective) -> ScheduledCollective:
+def _place(module: Module, flops: _Flops, row: Collective) -> ScheduledCollective:
     instrs = module.comps[row.computation]
     names = [i.name for i in instrs]
     start = names.index(row.name)
@@ -163,9 +164,9 @@ def schedule(compiled: Any, mesh: Any = None) -> list[ScheduledCollective]:
     (an all-reduce whose parts split into `all-reduce` and `all-reduce+slice` rows
     gives two), in program order.
     """
-    module = _module_from_text(_text(compiled))
+    module = module_from_text(_text(compiled))
     flops = _Flops(module)
-    return [_place(module, flops, row) for row in _rows(module, mesh)]
+    return [_place(module, flops, row) for row in module_collectives(module, mesh)]
 
 
 def schedule_summary(rows: Sequence[ScheduledCollective], *, bandwidth: float | None = None,
@@ -198,8 +199,8 @@ def schedule_table(compiled: Any, *, mesh: Any = None, bandwidth: float | None =
     def add(label: tuple[str, str], part: list[ScheduledCollective]) -> None:
         s = schedule_summary(part, bandwidth=bandwidth, peak=peak)
         gflop = sum(r.overlap_flops * r.collective.executions for r in part) / 1e9
-        table.add_row(*label, str(len(part)), *(_human(b) for b in (s.total, s.async_bytes, s.overlapped, s.exposed,
-                                                                   s.overlappable)), f"{gflop:.3f}")
+        table.add_row(*label, str(len(part)), *(human_bytes(b) for b in (s.total, s.async_bytes, s.overlapped,
+                                                                         s.exposed, s.overlappable)), f"{gflop:.3f}")
 
     for key in sorted(groups):
         add(key, groups[key])
