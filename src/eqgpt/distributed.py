@@ -446,7 +446,7 @@ def check_replicas_agree(tree: PyTree, what: str = "parameters") -> None:
     """
     from jax.experimental import multihost_utils
 
-    from eqgpt.parallel.auto import path_str
+    from eqgpt.tree import path_str
 
     leaves = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
               if isinstance(x, jax.Array)]

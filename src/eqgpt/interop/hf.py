@@ -203,7 +203,7 @@ def _expected(c: GPTConfig, family: str) -> dict[str, tuple[int, ...]]:
 
 
 def _leaf_shapes(model) -> dict[str, tuple[int, ...]]:
-    from eqgpt.parallel.auto import path_str
+    from eqgpt.tree import path_str
 
     return {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(model)[0]
             if hasattr(x, "shape")}
@@ -328,7 +328,7 @@ def load_hf(
     abstract = eqx.filter_eval_shape(GPT, got, key=jax.random.key(0))
     shardings = _target_shardings(abstract, strategy)
     maps = {t.eqgpt: t for t in _layout(got, fam)}
-    from eqgpt.parallel.auto import path_str
+    from eqgpt.tree import path_str
 
     def make(path_keys, leaf, sharding):
         if not _is_array(leaf):
@@ -362,7 +362,7 @@ def load_hf_llama(path: str | Path, *, strategy=None, dtype=jnp.float32,
 
 
 def _host_arrays(model: GPT) -> dict[str, np.ndarray]:
-    from eqgpt.parallel.auto import path_str
+    from eqgpt.tree import path_str
 
     arrays = eqx.filter(model, eqx.is_array)
     if jax.process_count() > 1:  # arrays span processes: gather them (every process must call)

@@ -32,21 +32,9 @@ from eqgpt.parallel.rules import (
     is_spec,
     spec_axes,
 )
+from eqgpt.tree import path_str
 
 Overrides = Mapping[str, Rules] | None
-
-
-def path_str(path: tuple) -> str:
-    """A JAX key path as a dotted string: `(.blocks, .attn, .q_proj)` -> `"blocks.attn.q_proj"`."""
-    parts = []
-    for k in path:
-        for attr in ("name", "key", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
 
 
 def rules_for(module_path: str, rules: Rules, overrides: Overrides = None) -> Rules:

@@ -25,6 +25,9 @@ with a message naming the field.
 Restoring takes its shardings from the *restoring* run: the target is this
 run's state (concrete, or abstract `jax.ShapeDtypeStruct`s with `sharding=`),
 so a run saved on `fsdp=8` continues on `data=4,tensor=2` or on one device.
+
+This module is the policy (when to save, how many to keep, which checkpoint to trust and what
+to do with a damaged one); `eqgpt.train.checkpoint_io` holds the I/O it calls.
 """
 
 from __future__ import annotations
@@ -39,12 +42,25 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jaxtyping import Array, PyTree, UInt32
+from jaxtyping import PyTree
 
 from eqgpt.distributed import is_main_process
+from eqgpt.train.checkpoint_io import (
+    abstract_state,
+    all_ok,
+    barrier,
+    checksums,
+    is_array,
+    is_key,
+    named_leaves,
+    nest,
+    restore_args,
+    restore_target,
+    state_handler,
+    unnest,
+)
 from eqgpt.train.integrity import MANIFEST, SealedRename, verify_files
 
 logger = logging.getLogger(__name__)
@@ -70,133 +86,6 @@ class CheckpointWriteError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """The checkpoint (and every earlier one) is damaged: missing files, bad data, bad checksums."""
-
-
-# --- tree <-> named arrays ----------------------------------------------------------------------
-
-
-def _key_name(k: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def leaf_name(path: tuple) -> str:
-    """A key path as a dotted name: `model.blocks.attn.q_proj.weight`, `opt_state.1.0.mu...`."""
-    return ".".join(_key_name(k) for k in path) or "value"
-
-
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-
-
-def named_leaves(tree: PyTree) -> dict[str, Any]:
-    """`{dotted name: leaf}` for every leaf of `tree` (arrays, abstract arrays and Python scalars)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if any("." in _key_name(k) for k in path):
-            raise ValueError(f"state key path {path} has a '.' in a key; checkpoints name arrays by "
-                             "dotted paths, so rename that key.")
-        name = leaf_name(path)
-        if name in out:
-            raise ValueError(f"two leaves of the state share the name {name!r}; rename one field.")
-        out[name] = leaf
-    return out
-
-
-def _nest(flat: Mapping[str, Any]) -> dict:
-    """`{"a.b": x}` -> `{"a": {"b": x}}` (Orbax stores nested dicts as named arrays)."""
-    root: dict = {}
-    for name, value in flat.items():
-        node = root
-        *parents, last = name.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return root
-
-
-def _unnest(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping):
-        out = {}
-        for k, v in tree.items():
-            out.update(_unnest(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    """The restore target of one array: shape, dtype and the *restoring* run's sharding."""
-    sharding = getattr(x, "sharding", None)
-    if _is_key(x):
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
-    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding)
-
-
-def abstract_state(state: PyTree) -> PyTree:
-    """`state` with every array replaced by `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`.
-
-    Useful as a restore target that allocates nothing: build it from
-    `eqx.filter_eval_shape` of the initialiser plus the placement's shardings,
-    or from a concrete state as here.
-    """
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-        if _is_array(x) else x,
-        state,
-    )
-
-
-# --- checksums -----------------------------------------------------------------------------------
-
-
-def _checksum(x: Array) -> UInt32[Array, ""]:
-    """Position-weighted sum of the bits of `x`, modulo 2**32.
-
-    Integer addition is associative, so the value is the same whatever the
-    sharding or reduction order: a checkpoint saved on one mesh verifies on another.
-    """
-    if _is_key(x):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 4:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    elif x.dtype.itemsize == 2:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    elif x.dtype.itemsize == 1:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
-    else:  # 8-byte types: two words per element
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    index = jnp.zeros(bits.shape, jnp.uint32)
-    for axis in range(bits.ndim):
-        index = index * jnp.uint32(bits.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
-    weight = index * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)
-    return jnp.sum(bits * weight, dtype=jnp.uint32) ^ jnp.uint32(bits.size)
-
-
-@jax.jit
-def _checksums(arrays: dict[str, Array]) -> dict[str, Array]:
-    # Arrays offloaded to host memory (`eqgpt.parallel.offload`) are read on the device.
-    return {k: _checksum(jax.device_put(v, jax.memory.Space.Device)) for k, v in arrays.items()}
-
-
-def checksums(arrays: Mapping[str, Array]) -> dict[str, int]:
-    """`{name: checksum}` of named arrays (one compiled reduction; identical on every process)."""
-    groups: dict[Any, dict[str, Array]] = {}
-    for name, x in arrays.items():  # one computation per device set (a program spans one)
-        devices = frozenset(d.id for d in x.sharding.device_set)
-        groups.setdefault(devices, {})[name] = x
-    out = {}
-    for group in groups.values():
-        out.update(_checksums(group))
-    return {k: int(np.asarray(out[k].addressable_data(0))) for k in arrays}
 
 
 # --- config comparison ---------------------------------------------------------------------------
@@ -235,63 +124,7 @@ def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
             else [f"{prefix[:-1] or 'config'}: {saved!r} in the checkpoint, {current!r} in this run"])
 
 
-# --- multi-process agreement ---------------------------------------------------------------------
-
-
-def _all_ok(ok: bool) -> bool:
-    """True only if `ok` on every process (so every process takes the same fallback)."""
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    flags = multihost_utils.process_allgather(np.array([int(ok)], np.int32))
-    return bool(np.all(np.asarray(flags)))
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 # --- the manager ---------------------------------------------------------------------------------
-
-
-# Why: replica-parallel saving sliced small arrays too: 80 jit(slice) compiles, 1.8 s of a 2.8 s toy save on 8 CPUs.
-REPLICA_PARALLEL_MIN_BYTES = 16 * 2**20
-"""Replicated arrays are written replica-parallel (each replica writes a slice) only in slices of at least this
-many bytes, where sharing the write pays; smaller ones are written whole by one replica. Same files either way."""
-
-
-def _state_handler() -> ocp.PyTreeCheckpointHandler:
-    """What `ocp.StandardCheckpointHandler()` is (same files, same settings), except for a jax.Array
-    handler that writes replica-parallel only slices of `REPLICA_PARALLEL_MIN_BYTES` or more. The
-    handler sits in a registry of this checkpointer's own: Orbax's global one is left as it is."""
-    handlers = ocp.type_handlers
-    arrays = handlers.ArrayHandler(
-        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
-        # per-array metadata (`array_metadatas/`), written as with Orbax's default jax.Array handler
-        array_metadata_store=ocp.experimental.v1.options.ArrayOptions.Saving().array_metadata_store,
-    )
-    registry = handlers.create_type_handler_registry(
-        *((t, arrays if t is jax.Array else handlers.get_type_handler(t)) for t in handlers.supported_types())
-    )
-    # StandardCheckpointHandler's own limits (PyTreeCheckpointHandler's defaults differ)
-    return ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96,
-                                       type_handler_registry=registry)
-
-
-def _restore_args(targets: Mapping[str, jax.ShapeDtypeStruct], saved: Mapping[str, Any]) -> dict:
-    """The restore arguments `ocp.args.StandardRestore` would build: each array onto its target's
-    sharding, else onto the sharding it was saved with (else as a NumPy array)."""
-    placed = {}
-    for name, t in targets.items():
-        sharding = t.sharding
-        if sharding is None and getattr(saved[name], "sharding", None) is not None:
-            sharding = saved[name].sharding.to_jax_sharding()
-        placed[name] = t if sharding is None else jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
-    return ocp.checkpoint_utils.construct_restore_args(_nest(placed), strict=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +196,7 @@ class Checkpointer:
             create=True,
             temporary_path_class=SealedRename,  # writes files.json just before the commit
         )
-        handlers = {"state": _state_handler(), "config": ocp.JsonCheckpointHandler(),
+        handlers = {"state": state_handler(), "config": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._pending: int | None = None  # the step being written in the background
@@ -410,7 +243,7 @@ class Checkpointer:
         leaves = named_leaves(state)
         arrays, keys, scalars = {}, {}, {}
         for name, leaf in leaves.items():
-            if _is_key(leaf):
+            if is_key(leaf):
                 keys[name] = str(jax.random.key_impl(leaf))
                 arrays[name] = jax.random.key_data(leaf)
             elif isinstance(leaf, jax.Array):
@@ -428,7 +261,7 @@ class Checkpointer:
         }
         self._pending = step
         started = self._reporting_failure(self._manager.save, step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(_nest(arrays)),
+            state=ocp.args.PyTreeSave(nest(arrays)),
             config=ocp.args.JsonSave(self.config),
             meta=ocp.args.JsonSave(meta),
         ), force=True)
@@ -457,7 +290,7 @@ class Checkpointer:
             for name in self.interrupted_writes:
                 shutil.rmtree(self.directory / name, ignore_errors=True)
         self.interrupted_writes = []
-        _barrier("eqgpt-checkpoint-leftovers")
+        barrier("eqgpt-checkpoint-leftovers")
 
     def maybe_save(self, step: int, state: PyTree, *, extras: Mapping[str, Any] | None = None,
                    force: bool = False) -> bool:
@@ -518,7 +351,7 @@ class Checkpointer:
         tree = getattr(metadata, "tree", metadata)
         if not isinstance(tree, Mapping):
             raise CorruptCheckpointError("its array metadata cannot be read")
-        saved = _unnest(tree)
+        saved = unnest(tree)
         missing = sorted(set(targets) - set(saved))
         extra = sorted(set(saved) - set(targets))
         wrong = [
@@ -545,7 +378,7 @@ class Checkpointer:
 
     def _restore_one(self, step: int, target: PyTree) -> Restored:
         leaves = named_leaves(target)
-        targets = {n: _abstract(x) for n, x in leaves.items() if _is_array(x)}
+        targets = {n: restore_target(x) for n, x in leaves.items() if is_array(x)}
         sealed = verify_files(self.directory / str(step))  # names a missing, truncated or altered file;
         # every process reads its share of the files and all agree on the verdict
         config, meta = self._read_json(step)
@@ -554,8 +387,8 @@ class Checkpointer:
         self._check_config(step, config)
         saved = self._check_layout(step, targets)
         got = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=_nest(targets), restore_args=_restore_args(targets, saved))))
-        arrays = _unnest(got["state"])
+            item=nest(targets), restore_args=restore_args(targets, saved))))
+        arrays = unnest(got["state"])
         saved_sums = {k: int(v) for k, v in meta.get("checksums", {}).items()}
         bad = [n for n, s in checksums(arrays).items() if saved_sums.get(n) != s]
         if bad:
@@ -570,7 +403,7 @@ class Checkpointer:
                     # An uncommitted target (a fresh `jnp.asarray(0)`, `jax.random.key(0)`) may
                     # join any computation; keep it so rather than pinning it to one device.
                     value = jax.device_put(np.asarray(value))
-                if name in meta.get("keys", {}) or _is_key(leaf):
+                if name in meta.get("keys", {}) or is_key(leaf):
                     impl = meta.get("keys", {}).get(name) or str(jax.random.key_impl(leaf))
                     value = jax.random.wrap_key_data(value, impl=impl)
                 restored.append(value)
@@ -641,7 +474,7 @@ class Checkpointer:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure to read is damage
                 error, result = e, None
-            if _all_ok(error is None):
+            if all_ok(error is None):
                 if skipped:
                     self.set_aside([t for t, _ in skipped])
                 return dataclasses.replace(result, skipped=tuple(skipped))
@@ -682,7 +515,7 @@ class Checkpointer:
                 if src.exists():
                     src.rename(dst)
                     logger.warning("moved checkpoint %s to %s", src, dst)
-        _barrier(f"eqgpt-checkpoint-set-aside-{'-'.join(map(str, steps))}")
+        barrier(f"eqgpt-checkpoint-set-aside-{'-'.join(map(str, steps))}")
         self._manager.reload()
 
 
@@ -711,5 +544,5 @@ def _describe(error: BaseException) -> str:
 
 __all__ = [
     "Checkpointer", "Restored", "CheckpointError", "IncompatibleCheckpointError",
-    "CorruptCheckpointError", "CheckpointWriteError", "abstract_state", "named_leaves", "leaf_name", "checksums",
+    "CorruptCheckpointError", "CheckpointWriteError", "abstract_state", "named_leaves", "checksums",
 ]
