@@ -25,22 +25,8 @@ from eqgpt.parallel.context import (
     strip_context_attention,
     use_context_attention,
 )
-from helpers import PARAM_ATOL
-from markov import falls
+from helpers import assert_same_training
 from parallel_cases import OPTIMIZER, arrays, reference_model, reference_run, train
-
-# As in test_parallel_parity: GPT-2's key bias has an exact gradient of zero (softmax
-# ignores a per-query constant), so its values are Adam-amplified rounding noise.
-NOISE_ONLY = {"blocks.attn.k_proj.bias": 2e-5}
-
-
-def assert_same_training(ref, out):
-    """Per-step losses within rtol 1e-5, every final parameter within rtol 1e-5, atol PARAM_ATOL."""
-    np.testing.assert_allclose(out[0], ref[0], rtol=1e-5, atol=0)
-    assert len(out[0]) == 5 and falls(ref[0])
-    assert out[1].keys() == ref[1].keys()
-    for path, want in ref[1].items():
-        np.testing.assert_allclose(out[1][path], want, rtol=1e-5, atol=NOISE_ONLY.get(path, PARAM_ATOL), err_msg=path)
 
 CASES = [
     # (model, mesh, base strategy, kernel); ring over context=4,data=2 and Ulysses over context=2,data=4

@@ -17,7 +17,7 @@ import pytest
 import references as ref
 from eqgpt.nn.kernels import flash, get_kernel
 from eqgpt.nn.mask import CausalMask, SlidingWindowMask
-from helpers import assert_within
+from helpers import assert_within, rel_err
 
 B, T = 2, 256
 TOL = 1e-5
@@ -27,10 +27,6 @@ def inputs(heads, kv_heads, d, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     return (jax.random.normal(ks[0], (B, T, heads, d)), jax.random.normal(ks[1], (B, T, kv_heads, d)),
             jax.random.normal(ks[2], (B, T, kv_heads, d)), jax.random.normal(ks[3], (B, T, heads, d)))
-
-
-def rel_err(x, want):
-    return float(np.max(np.abs(np.asarray(x, np.float64) - want)) / np.max(np.abs(want)))
 
 
 def check(mask, allowed, heads, kv_heads, d):

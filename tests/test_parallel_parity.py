@@ -13,33 +13,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import PARAM_ATOL
-from markov import falls
+from helpers import assert_same_training
 from parallel_cases import CONFIGS, reference_run, sharded_run
 
 CASES = [
     ("data=2,fsdp=2,tensor=2", "dp+fsdp+tp"),
     ("fsdp=4,tensor=2", "fsdp+sp"),
 ]
-
-# GPT-2 style attention has a key bias. Its exact gradient is zero: it adds q.b_k
-# to every score of a query, and softmax ignores a per-query constant. So its
-# gradient is float rounding noise, which Adam divides by sqrt(v) + eps and turns
-# into updates of up to ~lr/10: its values are noise of size ~1e-5 whose last bits
-# depend on the summation order. It is compared with atol 2e-5 (values stay < 1e-4);
-# every other array with rtol 1e-5, atol 1e-6.
-NOISE_ONLY = {"blocks.attn.k_proj.bias": 2e-5}
-
-
-def assert_same_training(ref, out):
-    ref_losses, ref_arrays = ref[0], ref[1]
-    losses, arrays = out[0], out[1]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
-    assert falls(ref_losses) and len(losses) == 5
-    assert arrays.keys() == ref_arrays.keys()
-    for path, want in ref_arrays.items():
-        np.testing.assert_allclose(arrays[path], want, rtol=1e-5, atol=NOISE_ONLY.get(path, PARAM_ATOL), err_msg=path)
-
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("mesh, strategy", CASES, ids=[f"{m}:{s}" for m, s in CASES])

@@ -14,7 +14,7 @@ import pytest
 import references as ref
 from eqgpt.nn.kernels import get_kernel
 from eqgpt.nn.mask import CausalMask, DocumentMask, Mask, SlidingWindowMask
-from helpers import assert_within
+from helpers import assert_within, rel_err
 
 B, T, H, G, D = 2, 20, 4, 2, 8  # 20 keys: not a multiple of the blockwise blocks below
 TOL = 1e-5
@@ -68,10 +68,6 @@ def run(name, mask, seg=None, kv_heads=G):
 
     out, vjp = jax.vjp(jax.jit(f), q, k, v)
     return np.asarray(out), [np.asarray(g) for g in vjp(d_out)]
-
-
-def rel_err(x, want):
-    return float(np.max(np.abs(np.asarray(x, np.float64) - want)) / np.max(np.abs(want)))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -19,14 +19,9 @@ import pytest
 from eqgpt import nn
 from eqgpt.nn.rope import apply_rope
 from eqgpt.train.optim import clip_by_global_norm
-from helpers import assert_within
+from helpers import assert_within, rel_err
 
 TOL = 1e-5
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
