@@ -14,14 +14,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from eqgpt.config import GPTConfig, MoEConfig
-from eqgpt.interop import llama
 from eqgpt.interop.family import Family, TensorMap, require
+from eqgpt.interop.llama import SHAPE, llama_layout
+from eqgpt.interop.llama import from_hf as llama_from_hf
+from eqgpt.interop.llama import to_hf as llama_to_hf
 
 
 def mixtral_layout(c: GPTConfig) -> list[TensorMap]:
     """The Mixtral names of every array of a Mixtral-shaped `GPTConfig` (Llama's, with an MoE MLP)."""
     moe = "model.layers.{i}.block_sparse_moe"
-    out = [t for t in llama.llama_layout(c) if not t.eqgpt.startswith("blocks.mlp.")]
+    out = [t for t in llama_layout(c) if not t.eqgpt.startswith("blocks.mlp.")]
     out.append(TensorMap("blocks.mlp.router.weight", f"{moe}.gate.weight", layered=True, transpose=True))
     out += [TensorMap(f"blocks.mlp.experts.{eq}", f"{moe}.experts.{{j}}.{hf}.weight", layered=True, transpose=True,
                       experts=True) for eq, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2"))]
@@ -42,7 +44,7 @@ def _limits(c: GPTConfig) -> list[str]:
 
 
 def _to_hf(c: GPTConfig, eos_id: int | None = None) -> dict:
-    llama_config = llama.to_hf(c.replace(moe=None), eos_id=eos_id)
+    llama_config = llama_to_hf(c.replace(moe=None), eos_id=eos_id)
     drop = ("mlp_bias", "attention_bias", "head_dim")
     return {**{k: v for k, v in llama_config.items() if k not in drop},
             "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "head_dim": c.head_dim,
@@ -59,7 +61,7 @@ def _from_hf(hf: Mapping, where: str) -> GPTConfig:
         bad.append(f"router_jitter_noise={hf['router_jitter_noise']} (eqgpt's router has no jitter)")
     if bad:
         raise ValueError(f"{where}: unsupported Mixtral options: " + "; ".join(bad) + ".")
-    c = llama.from_hf({**hf, "model_type": "llama"}, where)
+    c = llama_from_hf({**hf, "model_type": "llama"}, where)
     r = lambda k: require(hf, k, where)  # noqa: E731
     moe = MoEConfig(num_experts=r("num_local_experts"), top_k=r("num_experts_per_tok"), dropless=True,
                     renormalize=True, aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.01)),
@@ -67,5 +69,5 @@ def _from_hf(hf: Mapping, where: str) -> GPTConfig:
     return c.replace(moe=moe)
 
 
-MIXTRAL = Family(name="mixtral", title="Mixtral", model_type="mixtral", layout=mixtral_layout, shape=llama.SHAPE,
+MIXTRAL = Family(name="mixtral", title="Mixtral", model_type="mixtral", layout=mixtral_layout, shape=SHAPE,
                  limits=_limits, to_hf=_to_hf, from_hf=_from_hf)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from eqgpt.profile import protowire as pw
+import eqgpt.profile.protowire as pw
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
