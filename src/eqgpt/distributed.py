@@ -235,6 +235,55 @@ class _Watchdog:
 _SETTINGS: DistributedSettings | None = None
 
 
+def _join(settings: DistributedSettings, timeout: float, local_device_ids: Sequence[int] | None,
+          heartbeat_timeout: int, shutdown_timeout: int) -> None:
+    """Check the coordinator's address, then join the job through `jax.distributed.initialize` under a
+    watchdog that turns a hang into a clear exit (see `initialize`)."""
+    rank, count, address = settings.process_id, settings.num_processes, settings.coordinator
+    where = settings.sources.get("coordinator", settings.cluster)
+    deadline = time.monotonic() + timeout
+    if address is not None and rank == 0:
+        port = int(address.rpartition(":")[2])
+        if not _port_is_free(port):
+            raise ValueError(
+                f"process 0 cannot host the coordinator: port {port} (from {where}) is already in use "
+                "on this machine. Pick a free port (the same in every process), or stop whatever holds it."
+            )
+    if address is not None and rank != 0 and not _wait_for_listener(address, deadline):
+        raise RuntimeError(
+            f"process {rank} could not reach the coordinator at {address} (from {where}) within "
+            f"{timeout:g} s. Start process 0 (it hosts the coordinator) with the same address, check "
+            "the host name and that the port is open between the hosts."
+        )
+    message = (
+        f"process {rank} timed out after {timeout:g} s waiting for all {count} processes to join the "
+        f"coordinator at {address or settings.cluster}. Check that {count} processes were started "
+        f"(num_processes from {settings.sources['num_processes']}) with distinct process ids "
+        f"0..{count - 1}, all pointing at the same coordinator."
+    )
+    remaining = max(1.0, deadline - time.monotonic())
+    with _Watchdog(remaining, message):
+        try:
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=count,
+                process_id=rank,
+                local_device_ids=local_device_ids,
+                cluster_detection_method=settings.cluster,
+                # JAX's own deadline is later than the watchdog's, so the clear message wins.
+                initialization_timeout=int(remaining) + 30,
+                heartbeat_timeout_seconds=heartbeat_timeout,
+                shutdown_timeout_seconds=shutdown_timeout,
+            )
+        except Exception as e:  # the runtime raises JaxRuntimeError (a RuntimeError) or ValueError
+            if "Failed to start RPC server" in str(e):
+                raise ValueError(
+                    f"process 0 could not start the coordinator at {address} (from {where}): the port "
+                    "is taken or the address is not local. Pick a free port."
+                ) from e
+            raise
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -284,48 +333,7 @@ def initialize(
         raise RuntimeError(f"eqgpt.distributed.initialize already ran with {_SETTINGS}; it runs once per process.")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     rank, count, address = settings.process_id, settings.num_processes, settings.coordinator
-    where = settings.sources.get("coordinator", settings.cluster)
-    deadline = time.monotonic() + timeout
-    if address is not None and rank == 0:
-        port = int(address.rpartition(":")[2])
-        if not _port_is_free(port):
-            raise ValueError(
-                f"process 0 cannot host the coordinator: port {port} (from {where}) is already in use "
-                "on this machine. Pick a free port (the same in every process), or stop whatever holds it."
-            )
-    if address is not None and rank != 0 and not _wait_for_listener(address, deadline):
-        raise RuntimeError(
-            f"process {rank} could not reach the coordinator at {address} (from {where}) within "
-            f"{timeout:g} s. Start process 0 (it hosts the coordinator) with the same address, check "
-            "the host name and that the port is open between the hosts."
-        )
-    message = (
-        f"process {rank} timed out after {timeout:g} s waiting for all {count} processes to join the "
-        f"coordinator at {address or settings.cluster}. Check that {count} processes were started "
-        f"(num_processes from {settings.sources['num_processes']}) with distinct process ids "
-        f"0..{count - 1}, all pointing at the same coordinator."
-    )
-    remaining = max(1.0, deadline - time.monotonic())
-    with _Watchdog(remaining, message):
-        try:
-            jax.distributed.initialize(
-                coordinator_address=address,
-                num_processes=count,
-                process_id=rank,
-                local_device_ids=local_device_ids,
-                cluster_detection_method=settings.cluster,
-                # JAX's own deadline is later than the watchdog's, so the clear message wins.
-                initialization_timeout=int(remaining) + 30,
-                heartbeat_timeout_seconds=heartbeat_timeout,
-                shutdown_timeout_seconds=shutdown_timeout,
-            )
-        except Exception as e:  # the runtime raises JaxRuntimeError (a RuntimeError) or ValueError
-            if "Failed to start RPC server" in str(e):
-                raise ValueError(
-                    f"process 0 could not start the coordinator at {address} (from {where}): the port "
-                    "is taken or the address is not local. Pick a free port."
-                ) from e
-            raise
+    _join(settings, timeout, local_device_ids, heartbeat_timeout, shutdown_timeout)
     if jax.process_count() != count or jax.process_index() != rank:
         raise ValueError(
             f"this process was told it is process {rank} of {count} (from {settings.sources}), but the "
