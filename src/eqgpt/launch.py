@@ -131,6 +131,58 @@ def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
                 pass
 
 
+def _check_args(command: Sequence[str], nproc: int, devices_per_proc: int | None, platform: str) -> None:
+    """`ValueError` naming the flag for a bad `launch` argument, before any process starts."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}.")
+    if devices_per_proc is not None and devices_per_proc < 1:
+        raise ValueError(f"--devices-per-proc must be at least 1, got {devices_per_proc}.")
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"--platform must be cpu or gpu, got {platform!r}.")
+    if not command:
+        raise ValueError("nothing to run: give the script after `--`, e.g. `-- recipes/train_gpt.py --steps 10`.")
+    if command[0] != "-m" and not os.path.exists(command[0]):
+        raise ValueError(f"script {command[0]!r} not found (run from the directory it is relative to).")
+
+
+def _exit_status(codes: list[int], status: int | None, timeout: float | None, signals_seen: list[int],
+                 first_failure: tuple[int, int] | None) -> int:
+    """The job's exit status from the ranks' `codes`; a failure or a timeout is explained on stderr."""
+    if status == TIMEOUT_EXIT_CODE:
+        sys.stderr.write(f"eqgpt.launch: the job ran past --timeout {timeout:g} s; all ranks were killed.\n")
+        return status
+    if all(c == 0 for c in codes):
+        return 0
+    if signals_seen and len(set(codes)) == 1:  # e.g. every rank checkpointed and exited "preempted"
+        return codes[0] if codes[0] >= 0 else 128 - codes[0]
+    if first_failure is None:  # ranks ended between two polls
+        first_failure = culprit([(r, c) for r, c in enumerate(codes) if c != 0])
+    rank, code = first_failure
+    others = [f"rank {r}: {describe_status(c)}" for r, c in enumerate(codes) if r != rank]
+    sys.stderr.write(
+        f"eqgpt.launch: rank {rank} failed ({describe_status(code)}); the other ranks were stopped "
+        f"({', '.join(others) or 'none'}). Its output above is prefixed [rank {rank}].\n"
+    )
+    return FAILED_RANK_BASE + rank if rank <= 26 else 127
+
+
+def _start_ranks(command: Sequence[str], nproc: int, port: int, devices_per_proc: int | None, platform: str, out,
+                 procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> None:
+    """Start the ranks, each appended to `procs` as soon as it runs (the signal handler reads that list),
+    with a thread in `pumps` copying its output, prefixed `[rank i]`, to `out`."""
+    lock = threading.Lock()
+    for rank in range(nproc):
+        p = subprocess.Popen(
+            [sys.executable, *command],
+            env=child_env(rank, nproc, port, devices_per_proc, platform),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock), daemon=True)
+        t.start()
+        pumps.append(t)
+
+
 def launch(
     command: Sequence[str],
     nproc: int,
@@ -156,19 +208,9 @@ def launch(
 
     **Returns:** the exit status.
     """
-    if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {nproc}.")
-    if devices_per_proc is not None and devices_per_proc < 1:
-        raise ValueError(f"--devices-per-proc must be at least 1, got {devices_per_proc}.")
-    if platform not in ("cpu", "gpu"):
-        raise ValueError(f"--platform must be cpu or gpu, got {platform!r}.")
-    if not command:
-        raise ValueError("nothing to run: give the script after `--`, e.g. `-- recipes/train_gpt.py --steps 10`.")
-    if command[0] != "-m" and not os.path.exists(command[0]):
-        raise ValueError(f"script {command[0]!r} not found (run from the directory it is relative to).")
+    _check_args(command, nproc, devices_per_proc, platform)
     out = sys.stdout if out is None else out
     port = free_port() if port is None else port
-    lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     signals_seen = []
@@ -188,16 +230,7 @@ def launch(
     start = time.monotonic()
     status: int | None = None
     try:
-        for rank in range(nproc):
-            p = subprocess.Popen(
-                [sys.executable, *command],
-                env=child_env(rank, nproc, port, devices_per_proc, platform),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-            procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock), daemon=True)
-            t.start()
-            pumps.append(t)
+        _start_ranks(command, nproc, port, devices_per_proc, platform, out, procs, pumps)
         if signals_seen:  # signalled while the ranks were starting: the later ones get it too
             _signal_all(procs, signals_seen[-1])
         while any(p.poll() is None for p in procs):
@@ -224,23 +257,7 @@ def launch(
             t.join(timeout=5)
         for s, handler in old.items():
             signal.signal(s, handler)
-    codes = [p.returncode for p in procs]
-    if status == TIMEOUT_EXIT_CODE:
-        sys.stderr.write(f"eqgpt.launch: the job ran past --timeout {timeout:g} s; all ranks were killed.\n")
-        return status
-    if all(c == 0 for c in codes):
-        return 0
-    if signals_seen and len(set(codes)) == 1:  # e.g. every rank checkpointed and exited "preempted"
-        return codes[0] if codes[0] >= 0 else 128 - codes[0]
-    if first_failure is None:  # ranks ended between two polls
-        first_failure = culprit([(r, c) for r, c in enumerate(codes) if c != 0])
-    rank, code = first_failure
-    others = [f"rank {r}: {describe_status(c)}" for r, c in enumerate(codes) if r != rank]
-    sys.stderr.write(
-        f"eqgpt.launch: rank {rank} failed ({describe_status(code)}); the other ranks were stopped "
-        f"({', '.join(others) or 'none'}). Its output above is prefixed [rank {rank}].\n"
-    )
-    return FAILED_RANK_BASE + rank if rank <= 26 else 127
+    return _exit_status([p.returncode for p in procs], status, timeout, signals_seen, first_failure)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
