@@ -124,6 +124,51 @@ def _bytes_of(dtype: str) -> int:
     return {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
 
 
+def _local_sizes(model_like: Any, strategy: Any) -> tuple[list[int], list[int], dict[str, int]]:
+    """Elements per device of each parameter and of its optimizer state, and the mesh's axis sizes."""
+    import jax
+
+    from eqgpt.parallel import Zero
+    from eqgpt.parallel.zero import zero_specs
+
+    mesh = strategy.mesh
+    is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    leaves = jax.tree.leaves(model_like, is_leaf=is_leaf)
+    if mesh is None:
+        local = [int(np.prod(x.shape)) for x in leaves]
+        opt_local = local
+        shape = dict(data=1, fsdp=1, pipeline=1, context=1, tensor=1)
+    else:
+        from eqgpt.parallel.auto import param_specs
+        from eqgpt.parallel.rules import is_spec
+
+        shape = dict(mesh.shape)
+        specs = jax.tree.leaves(param_specs(model_like, strategy.param_rules, strategy.overrides, mesh=mesh),
+                                is_leaf=is_spec)
+        local = [_local_size(tuple(x.shape), s, mesh) for x, s in zip(leaves, specs, strict=True)]
+        opt_local = local
+        if strategy.part(Zero) is not None:
+            zspecs = jax.tree.leaves(zero_specs(model_like, mesh, strategy.param_rules, strategy.overrides),
+                                     is_leaf=is_spec)
+            opt_local = [_local_size(tuple(x.shape), s, mesh) for x, s in zip(leaves, zspecs, strict=True)]
+    return local, opt_local, shape
+
+
+def _gradient_family(strategy: Any, shape: dict[str, int], tp: int, n_params: int) -> tuple[str, float]:
+    """Which `CALIBRATION` family the step falls in, and its gradient buffer bytes (see `estimate`)."""
+    from eqgpt.parallel import Zero
+
+    mesh = strategy.mesh
+    fsdp = shape.get("fsdp", 1) if "fsdp" in strategy.param_rules.axes("embed", "params") else 1
+    if mesh is None:
+        family, grads = "single", 0.0
+    elif fsdp > 1 or tp > 1:
+        family, grads = "sharded", FSDP_GRADS * 4 * n_params * fsdp if fsdp > 1 else 0.0
+    else:
+        family, grads = "replicated", ZERO_GRADS * 4 * n_params if strategy.part(Zero) else 0.0
+    return family, grads
+
+
 def estimate(
     config: GPTConfig,
     mesh: Any = None,
@@ -155,8 +200,7 @@ def estimate(
     import jax
 
     from eqgpt.nn import GPT
-    from eqgpt.parallel import Pipeline, Strategy, Zero
-    from eqgpt.parallel.zero import zero_specs
+    from eqgpt.parallel import Pipeline, Strategy
 
     if not isinstance(strategy, Strategy):
         strategy = Strategy(mesh, strategy) if mesh is not None else Strategy()
@@ -168,26 +212,7 @@ def estimate(
     master = bool(getattr(policy, "master_weights", False))
     is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     model_like = eqx.filter(jax.eval_shape(lambda: GPT(config, key=jax.random.key(0))), is_leaf)
-    leaves = jax.tree.leaves(model_like, is_leaf=is_leaf)
-
-    if mesh is None:
-        local = [int(np.prod(x.shape)) for x in leaves]
-        opt_local = local
-        shape = dict(data=1, fsdp=1, pipeline=1, context=1, tensor=1)
-    else:
-        from eqgpt.parallel.auto import param_specs
-        from eqgpt.parallel.rules import is_spec
-
-        shape = dict(mesh.shape)
-        specs = jax.tree.leaves(param_specs(model_like, strategy.param_rules, strategy.overrides, mesh=mesh),
-                                is_leaf=is_spec)
-        local = [_local_size(tuple(x.shape), s, mesh) for x, s in zip(leaves, specs, strict=True)]
-        opt_local = local
-        if strategy.part(Zero) is not None:
-
-            zspecs = jax.tree.leaves(zero_specs(model_like, mesh, strategy.param_rules, strategy.overrides),
-                                     is_leaf=is_spec)
-            opt_local = [_local_size(tuple(x.shape), s, mesh) for x, s in zip(leaves, zspecs, strict=True)]
+    local, opt_local, shape = _local_sizes(model_like, strategy)
     n_params = sum(local)
     params = n_params * param_bytes
     opt_state = (2 + master) * 4 * sum(opt_local)
@@ -226,13 +251,7 @@ def estimate(
     # (DP, ZeRO, pipeline: the gradient all-reduce runs in place; ZeRO also holds the whole
     # gradient and the gathered parameters); weights sharded (FSDP, TP: each device
     # computes whole-weight gradients before they are reduce-scattered).
-    fsdp = shape.get("fsdp", 1) if "fsdp" in strategy.param_rules.axes("embed", "params") else 1
-    if mesh is None:
-        family, grads = "single", 0.0
-    elif fsdp > 1 or tp > 1:
-        family, grads = "sharded", FSDP_GRADS * 4 * n_params * fsdp if fsdp > 1 else 0.0
-    else:
-        family, grads = "replicated", ZERO_GRADS * 4 * n_params if strategy.part(Zero) else 0.0
+    family, grads = _gradient_family(strategy, shape, tp, n_params)
     c_saved, c_work = CALIBRATION[family]
     activations = int(act_bytes * (c_saved * saved + c_work * working))
 
