@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -251,12 +252,7 @@ class Trainer:
         pending: tuple[int, dict[str, Array]] | None = None
         mark_step, mark_time = start, None
         t_begin = self._t_begin = time.perf_counter()
-        profile = None
-        if cfg.profile_steps is not None:
-            from eqgpt.profile.trace import ProfileWindow
-
-            out = cfg.profile_dir or (Path(cfg.out_dir) / "profile" if cfg.out_dir is not None else Path("profile"))
-            profile = ProfileWindow(*cfg.profile_steps, out)
+        profile = self._profile_window()
         try:
             with StopSignal() as flag:
                 val = self.validate(self.state.model)
@@ -299,25 +295,45 @@ class Trainer:
                 if self.fault is not None:
                     self._stop_on_fault(self.fault, good, bar)
                     return self.state
-                self.interrupted = stop
-                self.stop_signal = flag.signal if stop else None
-                self._checkpoint(step, force=True)  # the final (or preempted) state
-                if stop:
-                    saved = f"; checkpoint {step} written" if self.checkpointer is not None else ""
-                    bar.print(f"interrupted: stopped cleanly after step {step}{saved}")
-                if not cfg.eval_every or step % cfg.eval_every or step == cfg.steps:
-                    self._eval_row(step, bar, t_begin)
+                self._finish(step, stop, flag.signal if stop else None, bar, t_begin)
         finally:
-            if profile is not None:
-                profile.close()
-            if profile is not None and profile.taken:
-                bar.print(f"profile of steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} in {profile.log_dir} "
-                          "(docs/profiling.md: open it in Perfetto or TensorBoard)")
-            bar.close()
-            getattr(self.loader, "close", lambda: None)()  # stop prefetch threads (a later call restarts them)
-            if self.checkpointer is not None:
-                self.checkpointer.wait()  # background writes finish before the caller exits
+            self._close(profile, bar)
         return self.state
+
+    def _profile_window(self):
+        """The `ProfileWindow` of `config.profile_steps`, or `None`."""
+        cfg = self.config
+        if cfg.profile_steps is None:
+            return None
+        from eqgpt.profile.trace import ProfileWindow
+
+        out = cfg.profile_dir or (Path(cfg.out_dir) / "profile" if cfg.out_dir is not None else Path("profile"))
+        return ProfileWindow(*cfg.profile_steps, out)
+
+    def _finish(self, step: int, stop: bool, signal: Any, bar: _Progress, t_begin: float) -> None:
+        """After the last step (or a clean stop): the final checkpoint and the last evaluation."""
+        cfg = self.config
+        self.interrupted = stop
+        self.stop_signal = signal
+        self._checkpoint(step, force=True)  # the final (or preempted) state
+        if stop:
+            saved = f"; checkpoint {step} written" if self.checkpointer is not None else ""
+            bar.print(f"interrupted: stopped cleanly after step {step}{saved}")
+        if not cfg.eval_every or step % cfg.eval_every or step == cfg.steps:
+            self._eval_row(step, bar, t_begin)
+
+    def _close(self, profile: Any, bar: _Progress) -> None:
+        """Close the profile window, the progress bar and the loader; wait for background checkpoint writes."""
+        cfg = self.config
+        if profile is not None:
+            profile.close()
+        if profile is not None and profile.taken:
+            bar.print(f"profile of steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} in {profile.log_dir} "
+                      "(docs/profiling.md: open it in Perfetto or TensorBoard)")
+        bar.close()
+        getattr(self.loader, "close", lambda: None)()  # stop prefetch threads (a later call restarts them)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # background writes finish before the caller exits
 
     def _stop_on_fault(self, fault: Stop, good: TrainState | None, bar: _Progress) -> None:
         """Checkpoint the last good state (see the class docs) and say why the run stopped."""
