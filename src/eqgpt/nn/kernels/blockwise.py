@@ -172,6 +172,34 @@ def _forward(mask, scale, block_q, block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
 # ----------------------------------------------------------------------------- backward
 
 
+def _tile_grads(mask, scale, qi, kj, vj, doi, lsei, deltai, qp, kp, qs, ks, qv, kv, operands):
+    """The gradients of one (query block, key block) tile, added to `operands = (dk, dv, dq)`."""
+    dk, dv, dqi = operands
+    scores = jnp.einsum(
+        "bqgrd,bkgd->bgrqk", qi, kj, preferred_element_type=jnp.float32
+    )
+    scores = scores.astype(jnp.float32) * scale
+    allowed = _allowed(mask, qp, kp, qs, ks, qv, kv)
+    p = jnp.where(allowed, jnp.exp(scores - lsei[..., None]), 0.0)
+    dv = dv + jnp.einsum(
+        "bgrqk,bqgrd->bkgd", p.astype(doi.dtype), doi,
+        preferred_element_type=jnp.float32,
+    )
+    dp = jnp.einsum(
+        "bqgrd,bkgd->bgrqk", doi, vj, preferred_element_type=jnp.float32
+    )
+    ds = p * (dp.astype(jnp.float32) - deltai[..., None]) * scale
+    dqi = dqi + jnp.einsum(
+        "bgrqk,bkgd->bqgrd", ds.astype(kj.dtype), kj,
+        preferred_element_type=jnp.float32,
+    )
+    dk = dk + jnp.einsum(
+        "bgrqk,bqgrd->bkgd", ds.astype(qi.dtype), qi,
+        preferred_element_type=jnp.float32,
+    )
+    return dk, dv, dqi
+
+
 def _backward(
     mask, scale, block_q, block_k, q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg
 ):
@@ -197,33 +225,7 @@ def _backward(
 
         def step(carry, ys):
             qi, doi, lsei, deltai, qp, qv, qs, dqi = ys
-
-            def compute(operands):
-                dk, dv, dqi = operands
-                scores = jnp.einsum(
-                    "bqgrd,bkgd->bgrqk", qi, kj, preferred_element_type=jnp.float32
-                )
-                scores = scores.astype(jnp.float32) * scale
-                allowed = _allowed(mask, qp, kp, qs, ks, qv, kv)
-                p = jnp.where(allowed, jnp.exp(scores - lsei[..., None]), 0.0)
-                dv = dv + jnp.einsum(
-                    "bgrqk,bqgrd->bkgd", p.astype(doi.dtype), doi,
-                    preferred_element_type=jnp.float32,
-                )
-                dp = jnp.einsum(
-                    "bqgrd,bkgd->bgrqk", doi, vj, preferred_element_type=jnp.float32
-                )
-                ds = p * (dp.astype(jnp.float32) - deltai[..., None]) * scale
-                dqi = dqi + jnp.einsum(
-                    "bgrqk,bkgd->bqgrd", ds.astype(kj.dtype), kj,
-                    preferred_element_type=jnp.float32,
-                )
-                dk = dk + jnp.einsum(
-                    "bgrqk,bqgrd->bkgd", ds.astype(qi.dtype), qi,
-                    preferred_element_type=jnp.float32,
-                )
-                return dk, dv, dqi
-
+            compute = partial(_tile_grads, mask, scale, qi, kj, vj, doi, lsei, deltai, qp, kp, qs, ks, qv, kv)
             dk, dv, dqi = jax.lax.cond(
                 mask.block_may_attend(qp, kp), compute, lambda o: o, (*carry, dqi)
             )
