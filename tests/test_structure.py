@@ -79,3 +79,51 @@ def test_the_recipe_main_is_short():
     tree = ast.parse((ROOT / "src" / "eqgpt" / "cli" / "train.py").read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     assert main.end_lineno - main.lineno + 1 <= 60
+
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_CODE_LINES = 60
+# Over the limits and not split yet: other work in flight edits them (the run-directory policy
+# leaves cli/train.py under issue 51; the executor's context hook under issue 49). Listed here
+# so that the lead decides; an entry that is no longer over the limit fails the test too.
+KNOWN_LONG_FILES = {"src/eqgpt/cli/train.py", "src/eqgpt/parallel/pipeline/executor.py"}
+KNOWN_LONG_FUNCTIONS: set[str] = set()
+
+
+def code_lines(node: ast.AST, lines: list[str]) -> int:
+    """Lines of a function that hold code: not blank, not only a comment, not its docstring."""
+    skip = set()
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        skip = set(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for i in range(node.lineno, node.end_lineno + 1)
+               if i not in skip and lines[i - 1].strip() and not lines[i - 1].strip().startswith("#"))
+
+
+def sizes() -> tuple[set[str], set[str]]:
+    """Files under src/ over MAX_FILE_LINES lines, and functions (`file:name`) over MAX_FUNCTION_CODE_LINES."""
+    files, functions = set(), set()
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        name = str(path.relative_to(ROOT))
+        if len(lines) > MAX_FILE_LINES:
+            files.add(name)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and code_lines(node, lines) > MAX_FUNCTION_CODE_LINES:
+                functions.add(f"{name}:{node.name}")
+    return files, functions
+
+
+def test_files_and_functions_are_short():
+    files, functions = sizes()
+    assert files == KNOWN_LONG_FILES, f"files over {MAX_FILE_LINES} lines: {sorted(files)}"
+    assert functions == KNOWN_LONG_FUNCTIONS, f"functions over {MAX_FUNCTION_CODE_LINES} lines: {sorted(functions)}"
+
+
+def test_the_size_check_counts_code_lines():
+    source = 'def f():\n    """Doc\n\n    string."""\n    # a comment\n\n    x = 1\n    return x\n'
+    node = ast.parse(source).body[0]
+    assert code_lines(node, source.splitlines()) == 3  # `def`, `x = 1`, `return x`
