@@ -188,15 +188,19 @@ def _expected(c: GPTConfig, family: str) -> dict[str, tuple[int, ...]]:
     abstract = eqx.filter_eval_shape(GPT, c, key=jax.random.key(0))
     shapes = _leaf_shapes(abstract)
     out: dict[str, tuple[int, ...]] = {}
-    for t in _layout(c, family):
+    layout = _layout(c, family)
+    fused: dict[str, int] = {}  # a fused HF tensor's width: the end of its last part (GPT-2's c_attn: 3D)
+    for t in layout:
+        if t.part is not None:
+            fused[t.hf] = max(fused.get(t.hf, 0), t.part[1])
+    for t in layout:
         shape = shapes[t.eqgpt][t.stacked:]
         if t.vocab_axis is not None:
             shape = tuple(c.vocab_size if a == t.vocab_axis else n for a, n in enumerate(shape))
         if t.transpose:
             shape = shape[::-1]
         if t.part is not None:
-            total = 3 * shape[-1]  # fused q/k/v (GPT-2's c_attn)
-            shape = (*shape[:-1], total)
+            shape = (*shape[:-1], fused[t.hf])
         for _, name in t.names(c):
             out[name] = shape
     return out
