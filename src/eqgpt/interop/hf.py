@@ -300,7 +300,7 @@ def load_hf(
     config: GPTConfig | None = None,
     family: str | None = None,
 ) -> tuple[GPTConfig, GPT]:
-    """A Hugging Face GPT-2 or Llama checkpoint as an eqgpt `GPT`.
+    """A Hugging Face checkpoint of a registered family (GPT-2, Llama, Mixtral, ...) as an eqgpt `GPT`.
 
     **Arguments:**
 
@@ -311,7 +311,7 @@ def load_hf(
     - `dtype`: the parameters' dtype (default fp32, whatever the file holds).
     - `config`: the `GPTConfig` the caller expects; a file that differs raises. Its
       `vocab_pad_multiple` is kept: the padding rows of the token table and head are zeros.
-    - `family`: `"gpt2"` or `"llama"` to insist on one (default: the file's `model_type`).
+    - `family`: a family name (`"gpt2"`, `"llama"`, ...) to insist on one (default: the file's `model_type`).
 
     **Returns:** `(config, model)`; the config's `attention_kernel`, `remat` and
     `vocab_pad_multiple` are `config`'s when given.
@@ -407,7 +407,7 @@ def save_hf(model: GPT, directory: str | Path, *, tokenizer=None, family: str | 
     `tokenizer.json` (+ `tokenizer_config.json`).
 
     **Arguments:** the `GPT`, the output `directory`, an optional eqgpt `Tokenizer`,
-    `family` (`"gpt2"`/`"llama"`; default: whichever holds the model, else `ValueError`),
+    `family` (`"gpt2"`, `"llama"`, ...; default: the first that holds the model, else `ValueError`),
     `dtype` of the stored weights.
 
     **Returns:** the path of `model.safetensors`. With several processes every process
