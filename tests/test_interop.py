@@ -248,3 +248,15 @@ def test_cli_exports_saved_model_and_orbax_checkpoint(tmp_path):
 
 def eqx_arrays(model):
     return eqx.filter(model, eqx.is_array)
+
+
+def test_untied_gpt2_export_loads_back(tmp_path):
+    """GPT2LMHeadModel keeps `lm_head.weight` outside `transformer.`: the export writes it there and loading
+    finds it there (it once looked for `transformer.lm_head.weight`)."""
+    config = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=1, num_heads=4, embed_dim=32, tie_embeddings=False)
+    model = GPT(config, key=jax.random.key(0))
+    save_hf_gpt2(model, tmp_path)
+    assert "lm_head.weight" in hf_mod.SafetensorsFiles(tmp_path).tensors
+    loaded_config, loaded = load_hf_gpt2(tmp_path)
+    assert loaded_config == config
+    np.testing.assert_array_equal(np.asarray(loaded.head.weight), np.asarray(model.head.weight))

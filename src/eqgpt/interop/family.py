@@ -85,9 +85,13 @@ class Family:
         first = self.layout(c)[0].hf
         return next((p for p in self.prefixes if p + first in names), self.prefixes[-1])
 
+    def file_name(self, prefix: str, hf_name: str) -> str:
+        """The name `hf_name` has in a file whose tensors carry `prefix` (`unprefixed` names carry none)."""
+        return hf_name if hf_name.startswith(self.unprefixed) else prefix + hf_name
+
     def export_name(self, hf_name: str) -> str:
         """The name `hf_name` is written under."""
-        return hf_name if hf_name.startswith(self.unprefixed) else self.prefixes[0] + hf_name
+        return self.file_name(self.prefixes[0], hf_name)
 
 
 def require(hf: Mapping, key: str, where: str) -> Any:

@@ -217,7 +217,7 @@ def check_files(files: SafetensorsFiles, c: GPTConfig, family: str) -> str:
     """Raise `ValueError` for missing, unexpected or wrongly shaped tensors; **returns** the name prefix."""
     names = set(files.tensors)
     prefix = _prefix(names, family, c)
-    expected = {prefix + k: v for k, v in _expected(c, family).items()}
+    expected = {get_family(family).file_name(prefix, k): v for k, v in _expected(c, family).items()}
     missing = sorted(set(expected) - names)
     extra = sorted(n for n in names - set(expected)
                    if not n.endswith(get_family(family).ignored)
@@ -247,7 +247,8 @@ def _config_mismatch(want: GPTConfig, got: GPTConfig) -> list[str]:
             if f.name not in skip and getattr(got, f.name) != getattr(want, f.name)]
 
 
-def _reader(files: SafetensorsFiles, t: TensorMap, prefix: str, dtype, vocab: int) -> Callable[[tuple], np.ndarray]:
+def _reader(files: SafetensorsFiles, t: TensorMap, family: Family, prefix: str, dtype,
+            vocab: int) -> Callable[[tuple], np.ndarray]:
     """`index -> array`: the eqgpt array's slice `index`, read slice by slice from the HF tensors
     (a padded vocabulary's rows from `vocab` on are zeros)."""
 
@@ -274,7 +275,8 @@ def _reader(files: SafetensorsFiles, t: TensorMap, prefix: str, dtype, vocab: in
 
     def callback(index: tuple[slice, ...], shape: tuple[int, ...], keys: tuple[int, ...] = ()) -> np.ndarray:
         if len(keys) == t.stacked:  # one HF tensor (its layer and expert, if any, are `keys`)
-            return read_one(prefix + t.hf.format(**dict(zip("ij", keys, strict=False))), tuple(index), shape)
+            name = family.file_name(prefix, t.hf.format(**dict(zip("ij", keys, strict=False))))
+            return read_one(name, tuple(index), shape)
         rows = range(shape[0])[index[0] if index else slice(None)]
         return np.stack([callback(tuple(index[1:]), shape[1:], (*keys, k)) for k in rows])
 
@@ -338,7 +340,7 @@ def load_hf(
         if not _is_array(leaf):
             return leaf
         name = path_str(path_keys)
-        read = _reader(files, maps[name], prefix, np.dtype(dtype), got.vocab_size)
+        read = _reader(files, maps[name], get_family(fam), prefix, np.dtype(dtype), got.vocab_size)
         shape = tuple(leaf.shape)
         return jax.make_array_from_callback(shape, sharding, lambda idx: read(idx, shape))
 
