@@ -44,13 +44,15 @@ class Int8:
             raise ValueError(f"Int8.backward = {self.backward!r}; choose one of {INT8_BACKWARDS}.")
 
 
-def quantize(x: Float[Array, "*shape"], axis: int) -> tuple[I8[Array, "*shape"], Float[Array, "*shape"]]:
+def quantize(x: Float[Array, "*shape"], axis: int) -> tuple[I8[Array, "*shape"], Float[Array, "*scales"]]:
     """`x` as int8 values and fp32 scales (one per slice along `axis`, kept as a size-1 dim):
-    `x ~= q * scale`, `scale = max|x| / 127` over `axis` (1 where the slice is all zero)."""
+    `q = round_half_even(x * (1 / scale))` clipped to 127 in magnitude, `scale = max|x| *
+    fp32(1/127)` over `axis` (1 where the slice is all zero), so `x ~= q * scale`."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / _MAX, 1.0)
-    return jnp.clip(jnp.round(x / scale), -_MAX, _MAX).astype(jnp.int8), scale
+    scale = jnp.where(amax > 0, amax * jnp.float32(1 / _MAX), 1.0)
+    # x times the reciprocal: one definition on every backend (XLA rewrites x / scale so).
+    return jnp.clip(jnp.round(x * (1.0 / scale)), -_MAX, _MAX).astype(jnp.int8), scale
 
 
 def int8_product(qa: I8[Array, "m k"], sa: Float[Array, "m 1"], qb: I8[Array, "k n"],
