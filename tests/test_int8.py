@@ -5,6 +5,8 @@ only the projection and MLP layers, and int8 training on `fsdp=4,tensor=2` equal
 
 from __future__ import annotations
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -14,10 +16,13 @@ import pytest
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.nn.quant import Int8, int8_matmul, quantize
+from eqgpt.parallel.pipeline import pipeline_grad_fn
 from eqgpt.train import Policy, Strategy, TrainState, make_train_step
+from eqgpt.train.export import load_model
 from helpers import PARAM_ATOL
 from markov import falls
 from parallel_cases import BATCH, OPTIMIZER, OPTIONS, SEQ, arrays, batches, reference_model, reference_run
+from recipe_runs import TINY, load_recipe, write_documents
 
 
 def np_quantize(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -119,6 +124,8 @@ def test_policy_marks_projections_and_mlp_not_the_head():
         Policy(matmul="int4")
     with pytest.raises(ValueError, match="int8_backward"):
         Policy(matmul="int8", int8_backward="fp8")
+    with pytest.raises(ValueError, match="int8 does not run under --pipeline"):
+        pipeline_grad_fn(par.make_mesh("pipeline=2,data=4"), "1f1b", microbatches=2, policy=Policy.named("int8"))
 
 
 def _train(strategy: Strategy, model, policy: Policy):
@@ -163,3 +170,24 @@ def test_int8_trains_like_one_device_on_fsdp_tensor(backward):
     for path, want in one[1].items():
         np.testing.assert_allclose(out[1][path], want, rtol=1e-5, atol=noise.get(path, atol), err_msg=path)
     assert reference_run("gpt")[0] != one[0]  # int8 is not the float run
+
+
+@pytest.mark.slow
+def test_a_float_run_resumes_in_int8(tmp_path):
+    """Checkpoints hold the float parameters whatever the policy: a run started in fp32 continues
+    under --precision int8 (and its checkpoint still restores as fp32 arrays)."""
+    write_documents(tmp_path / "docs")
+    recipe = load_recipe()
+    args = [*TINY, "--data.corpus", str(tmp_path / "docs"), "--data.cache-dir", str(tmp_path / "cache"),
+            "--out-dir", str(tmp_path / "run"), "--eval-windows", "0", "--checkpoint-every", "3"]
+    assert recipe.main(recipe.parse_flags([*args, "--steps", "3", "--precision", "fp32"]))["steps"] == 3
+    resumed = recipe.main(recipe.parse_flags([*args, "--resume", "--steps", "6", "--precision", "int8"]))
+    assert resumed["steps"] == 6
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["recipe"]["precision"] == "int8"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6] and np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0]
+    model = load_model(tmp_path / "run")
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
