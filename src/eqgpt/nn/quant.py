@@ -98,4 +98,4 @@ def _backward(backward, res, dy):
 
 _int8_matmul.defvjp(_forward, _backward)
 
-__all__ = ["INT8_BACKWARDS", "Int8", "int8_matmul", "int8_product", "quantize"]
+__all__ = ["Int8", "int8_matmul", "int8_product", "quantize"]
