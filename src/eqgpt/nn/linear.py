@@ -26,7 +26,8 @@ def matmul_2d(x: Float[Array, "*batch k"], w: Float[Array, "k n"],
     only the last (contracted) dimension stays apart.
     """
     if quant is not None:
-        return int8_matmul(x.reshape(-1, x.shape[-1]), w, quant.backward).reshape(*x.shape[:-1], w.shape[-1])
+        y = int8_matmul(x.reshape(-1, x.shape[-1]), w, quant.backward, quant.axis)
+        return y.reshape(*x.shape[:-1], w.shape[-1])
     if x.ndim <= 2:
         return jnp.matmul(x, w)
     lead = x.shape[:-1]

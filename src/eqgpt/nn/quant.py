@@ -35,21 +35,28 @@ _MAX = 127.0
 
 @dataclass(frozen=True)
 class Int8:
-    """The int8 setting of a `Linear` (static, hashable): `backward` is `"qat"` or `"qt"`."""
+    """The int8 setting of a `Linear` (static, hashable): `backward` is `"qat"` or `"qt"`;
+    `axis`, a mesh axis the contracted dimension is split over inside `shard_map` (a manual
+    row-parallel layer), whose devices then agree on one scale per row and column."""
 
     backward: str = "qat"
+    axis: str | None = None
 
     def __post_init__(self):
         if self.backward not in INT8_BACKWARDS:
             raise ValueError(f"Int8.backward = {self.backward!r}; choose one of {INT8_BACKWARDS}.")
 
 
-def quantize(x: Float[Array, "*shape"], axis: int) -> tuple[I8[Array, "*shape"], Float[Array, "*scales"]]:
+def quantize(x: Float[Array, "*shape"], axis: int,
+             mesh_axis: str | None = None) -> tuple[I8[Array, "*shape"], Float[Array, "*scales"]]:
     """`x` as int8 values and fp32 scales (one per slice along `axis`, kept as a size-1 dim):
     `q = round_half_even(x * (1 / scale))` clipped to 127 in magnitude, `scale = max|x| *
-    fp32(1/127)` over `axis` (1 where the slice is all zero), so `x ~= q * scale`."""
+    fp32(1/127)` over `axis` (1 where the slice is all zero), so `x ~= q * scale`. With
+    `mesh_axis`, the maximum is over every device's slice of `axis` (inside `shard_map`)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    if mesh_axis is not None:
+        amax = jax.lax.pmax(amax, mesh_axis)
     scale = jnp.where(amax > 0, amax * jnp.float32(1 / _MAX), 1.0)
     # x times the reciprocal: one definition on every backend (XLA rewrites x / scale so).
     return jnp.clip(jnp.round(x * (1.0 / scale)), -_MAX, _MAX).astype(jnp.int8), scale
@@ -67,24 +74,27 @@ def _quantized_matmul(a: Float[Array, "m k"], b: Float[Array, "k n"]) -> Float[A
     return int8_product(*quantize(a, 1), *quantize(b, 0))
 
 
-def int8_matmul(x: Float[Array, "m k"], w: Float[Array, "k n"], backward: str = "qat") -> Float[Array, "m n"]:
-    """`x @ w` through int8 (see the module docs), in the dtype `x` and `w` share."""
+def int8_matmul(x: Float[Array, "m k"], w: Float[Array, "k n"], backward: str = "qat",
+                mesh_axis: str | None = None) -> Float[Array, "m n"]:
+    """`x @ w` through int8 (see the module docs), in the dtype `x` and `w` share; `mesh_axis`:
+    the axis `k` is split over inside `shard_map` (the scales are then whole-`k` maxima, and
+    the result is this device's partial sum)."""
     if x.dtype != w.dtype:
         raise ValueError(f"int8_matmul: x is {x.dtype} but w is {w.dtype}; cast w to x's dtype first.")
-    return _int8_matmul(x, w, backward)
+    return _int8_matmul(x, w, backward, mesh_axis)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _int8_matmul(x, w, backward):
-    return _quantized_matmul(x, w).astype(x.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _int8_matmul(x, w, backward, mesh_axis):
+    return _forward(x, w, backward, mesh_axis)[0]
 
 
-def _forward(x, w, backward):
-    (qx, sx), (qw, sw) = quantize(x, 1), quantize(w, 0)
+def _forward(x, w, backward, mesh_axis):
+    (qx, sx), (qw, sw) = quantize(x, 1, mesh_axis), quantize(w, 0, mesh_axis)
     return int8_product(qx, sx, qw, sw).astype(x.dtype), (qx, sx, qw, sw)
 
 
-def _backward(backward, res, dy):
+def _backward(backward, mesh_axis, res, dy):
     qx, sx, qw, sw = res
     x_hat = (qx.astype(jnp.float32) * sx).astype(dy.dtype)
     w_hat = (qw.astype(jnp.float32) * sw).astype(dy.dtype)

@@ -45,6 +45,8 @@ the matmuls (`eqgpt.parallel.collective_matmul`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -210,7 +212,8 @@ class RowParallelLinear(eqx.Module):
             _no_int8_ring(self.linear)
             y = matmul_reduce_scatter(x, w, self.axis, dim=x.ndim - 2)
         else:
-            y = exit_region(matmul_2d(x, w, self.linear.quant), self.axis, self.sequence_parallel, seq_dim=x.ndim - 2)
+            quant = self.linear.quant and dataclasses.replace(self.linear.quant, axis=self.axis)  # whole-row scales
+            y = exit_region(matmul_2d(x, w, quant), self.axis, self.sequence_parallel, seq_dim=x.ndim - 2)
         if self.linear.bias is not None:
             y = y + self.linear.bias.astype(y.dtype)
         return y
