@@ -39,9 +39,9 @@ from eqgpt.train import Policy, Strategy, TrainState, make_optimizer, make_train
 
 def measure(cfg: eqgpt.GPTConfig, *, batch: int, precision: str = "bf16", steps: int = 10, warmup: int = 3,
             mu_dtype: str | None = None, master_weights: bool = False, breakdown: bool = False,
-            loss_chunk: int = 128, save_to: str | None = None) -> dict:
+            loss_chunk: int = 128, save_to: str | None = None, int8_backward: str = "qat") -> dict:
     """Train `steps` steps of `cfg` on random tokens; **returns** the figures `main` prints."""
-    policy = Policy.named(precision, master_weights=master_weights)
+    policy = Policy.named(precision, master_weights=master_weights, int8_backward=int8_backward)
     strategy = Strategy()
     optimizer = policy.optimizer(make_optimizer(3e-4, weight_decay=0.1, clip_norm=1.0, mu_dtype=mu_dtype))
     model = strategy.init_model(lambda k: policy.cast_to_param(GPT(cfg, key=k)), jax.random.key(0))
@@ -103,7 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--remat", default=None, help="remat policy (default: the preset's)")
     p.add_argument("--scan-layers", action="store_true", help="scan the layers (default: as the recipe, "
                    "unrolled up to 12 layers on an accelerator, eqgpt.config.scans_by_default)")
-    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16", "int8"),
+                   help="int8: bf16 with the projection and MLP matmuls through int8 (MFU still counts bf16 FLOPs)")
+    p.add_argument("--int8-backward", default="qat", choices=("qat", "qt"), help="with --precision int8")
     p.add_argument("--mu-dtype", default=None, help="AdamW first-moment dtype, e.g. bf16 (default: the parameters')")
     p.add_argument("--master-weights", action="store_true", help="bf16 parameters, fp32 master weights")
     p.add_argument("--steps", type=int, default=10)
@@ -121,8 +123,10 @@ def main(argv=None) -> int:
         | {"scan_layers": args.scan_layers or scans_by_default(eqgpt.preset(args.preset).num_layers, device.platform)}
     cfg = eqgpt.preset(args.preset, **overrides)
     r = measure(cfg, batch=args.batch, precision=args.precision, steps=args.steps, warmup=args.warmup,
-                mu_dtype=args.mu_dtype, master_weights=args.master_weights, breakdown=args.breakdown)
-    print(f"{args.preset} ({r['params'] / 1e6:.0f}M params), batch {args.batch} x {cfg.seq_len}, {args.precision} "
+                mu_dtype=args.mu_dtype, master_weights=args.master_weights, breakdown=args.breakdown,
+                int8_backward=args.int8_backward)
+    print(f"{args.preset} ({r['params'] / 1e6:.0f}M params), batch {args.batch} x {cfg.seq_len}, {args.precision}"
+          f"{' ' + args.int8_backward if args.precision == 'int8' else ''} "
           f"compute, {args.kernel} attention, remat {cfg.remat}, "
           f"layers {'scanned' if cfg.scan_layers else 'unrolled'}; {device.device_kind}; jax {jax.__version__}; "
           f"median of {args.steps} steps")

@@ -18,6 +18,12 @@ Two more modes (see `docs/numerics.md`):
   the model's arrays are stored in `param_dtype` (bf16), and the optimizer
   (`Policy.optimizer`, `with_master_weights`) keeps an fp32 copy that it updates;
   the stored parameters are that copy rounded.
+
+And int8 matmuls (`Policy.named("int8")`, `--precision int8`): bf16 compute, with the
+projection and MLP `Linear` layers run as int8 x int8 products accumulated in int32
+(`eqgpt.nn.quant`). The layers are marked inside the differentiated function
+(`compute_model`), so the stored model, its gradients and its checkpoints stay float,
+and a run can change precision when it resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, PyTree
+
+from eqgpt.nn.linear import Linear
+from eqgpt.nn.quant import INT8_BACKWARDS, Int8
 
 _DTYPES = {"fp32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16,
            "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
@@ -132,7 +141,10 @@ class Policy:
     - `loss_scaling`: dynamic loss scaling (for fp16 compute), starting at
       `initial_scale` and doubling after `growth_interval` finite steps;
     - `master_weights`: the optimizer keeps fp32 master weights of `param_dtype`
-      parameters (`Policy.optimizer`).
+      parameters (`Policy.optimizer`);
+    - `matmul`: `"float"` (in the compute dtype) or `"int8"`: every `Linear` but the
+      output head multiplies through int8 (`eqgpt.nn.quant`), with the backward
+      `int8_backward` (`"qat"`: straight-through float products; `"qt"`: int8 too).
     """
 
     param_dtype: str = "fp32"
@@ -141,11 +153,17 @@ class Policy:
     initial_scale: float = 2.0**15
     growth_interval: int = 2000
     master_weights: bool = False
+    matmul: str = "float"
+    int8_backward: str = "qat"
 
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ValueError(f"Policy.{f} = {getattr(self, f)!r}; choose one of {sorted(_DTYPES)}.")
+        if self.matmul not in ("float", "int8"):
+            raise ValueError(f"Policy.matmul = {self.matmul!r}; choose 'float' or 'int8'.")
+        if self.int8_backward not in INT8_BACKWARDS:
+            raise ValueError(f"Policy.int8_backward = {self.int8_backward!r}; choose one of {INT8_BACKWARDS}.")
         if self.growth_interval < 1 or self.initial_scale < 1:
             raise ValueError(f"Policy: growth_interval and initial_scale must be >= 1, got {self}.")
 
@@ -168,10 +186,21 @@ class Policy:
         """Floating arrays of `tree` in the compute dtype (a copy for the forward pass)."""
         return _cast(tree, _DTYPES[self.compute_dtype])
 
+    def compute_model(self, model: PyTree) -> PyTree:
+        """The model a loss computes with: `cast_to_compute`, and with `matmul="int8"` every
+        `Linear` but the output head (axes naming `vocab`) marked to multiply through int8.
+        Call it on a whole model (its static parts included) inside the differentiated function."""
+        model = self.cast_to_compute(model)
+        if self.matmul == "float":
+            return model
+        quant = Int8(self.int8_backward)
+        mark = lambda m: m.with_quant(quant) if isinstance(m, Linear) and "vocab" not in m.axes else m  # noqa: E731
+        return jax.tree.map(mark, model, is_leaf=lambda m: isinstance(m, Linear))
+
     def value_and_grad(self, loss_fn: Callable) -> Callable:
         """`grad_fn(model, batch) -> ((loss, aux), grads)` of `loss_fn(model, batch) -> (loss, aux)`.
 
-        The model is cast to the compute dtype inside the differentiated function,
+        The model is cast to the compute dtype (`compute_model`) inside the differentiated function,
         so gradients come back in the parameter dtype; loss and aux are cast to fp32.
         The returned function also takes `loss_scale=` (an fp32 scalar): the loss is
         multiplied by it before differentiation and the gradients divided by it
@@ -179,7 +208,7 @@ class Policy:
         """
 
         def loss_of(model, batch, scale):
-            loss, aux = loss_fn(self.cast_to_compute(model), batch)
+            loss, aux = loss_fn(self.compute_model(model), batch)
             loss = loss.astype(jnp.float32)
             return loss * scale, (loss, jax.tree.map(lambda a: a.astype(jnp.float32), aux))
 
@@ -198,9 +227,10 @@ class Policy:
         return jnp.dtype(_DTYPES[self.compute_dtype])
 
     @classmethod
-    def named(cls, name: str, *, master_weights: bool = False) -> Policy:
+    def named(cls, name: str, *, master_weights: bool = False, int8_backward: str = "qat") -> Policy:
         """`"fp32"`: everything fp32. `"bf16"`: fp32 params and outputs, bf16 compute.
-        `"fp16"`: fp16 compute with dynamic loss scaling.
+        `"fp16"`: fp16 compute with dynamic loss scaling. `"int8"`: bf16 compute with the
+        projection and MLP matmuls through int8 (backward `int8_backward`).
 
         `master_weights=True` stores the parameters in the compute dtype too, with
         fp32 master weights in the optimizer (not for fp32).
@@ -210,11 +240,12 @@ class Policy:
                 raise ValueError("master_weights keeps fp32 copies of low-precision parameters; "
                                  "use it with bf16 or fp16, not fp32.")
             return cls()
-        low = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(name)
+        low = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "int8": "bf16"}.get(name)
         if low is None:
-            raise ValueError(f"Unknown precision {name!r}; choose 'fp32', 'bf16' or 'fp16'.")
+            raise ValueError(f"Unknown precision {name!r}; choose 'fp32', 'bf16', 'fp16' or 'int8'.")
         return cls(param_dtype=low if master_weights else "fp32", compute_dtype=low, loss_scaling=low == "fp16",
-                   master_weights=master_weights)
+                   master_weights=master_weights, matmul="int8" if name == "int8" else "float",
+                   int8_backward=int8_backward)
 
     @classmethod
     def default(cls, platform: str | None = None) -> Policy:

@@ -139,8 +139,12 @@ class TrainConfig:
     """Microbatches per step (gradient accumulation); must divide batch_size."""
     seed: int = 0
     """Seed of the initialisation and of every batch (a batch is a function of seed and step)."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Compute dtype: auto = fp32 on CPU, bf16 on GPU/TPU; fp16 adds dynamic loss scaling (docs/numerics.md)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = "auto"
+    ("Compute dtype: auto = fp32 on CPU, bf16 on GPU/TPU; fp16 adds dynamic loss scaling; int8: bf16 with the "
+     "projection and MLP matmuls through int8 (docs/numerics.md#int8-matmuls).")
+    int8_backward: Literal["qat", "qt"] = "qat"
+    ("With --precision int8, the backward's matmuls: qat = straight-through, in bf16 on the dequantized operands; "
+     "qt = through int8 too.")
     master_weights: bool = False
     """Store the parameters in the compute dtype (bf16/fp16) with fp32 master weights in the optimizer state."""
     z_loss: float = 0.0
@@ -184,7 +188,7 @@ def policy_of(cfg: TrainConfig) -> Policy:
     if cfg.precision == "auto" and not cfg.master_weights:
         return Policy.default()
     name = cfg.precision if cfg.precision != "auto" else ("fp32" if jax.default_backend() == "cpu" else "bf16")
-    return Policy.named(name, master_weights=cfg.master_weights)
+    return Policy.named(name, master_weights=cfg.master_weights, int8_backward=cfg.int8_backward)
 
 
 def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqgpt.nn.axes import AxisNames
+from eqgpt.nn.quant import Int8, int8_matmul
 
 
-def matmul_2d(x: Float[Array, "*batch k"], w: Float[Array, "k n"]) -> Float[Array, "*batch n"]:
-    """`x @ w` with the leading dimensions of `x` flattened into one first.
+def matmul_2d(x: Float[Array, "*batch k"], w: Float[Array, "k n"],
+              quant: Int8 | None = None) -> Float[Array, "*batch n"]:
+    """`x @ w` with the leading dimensions of `x` flattened into one first (through int8,
+    `eqgpt.nn.quant.int8_matmul`, when `quant` is given).
 
     The same numbers as `jnp.matmul`, but XLA:CPU runs the backward pass of a
     2-D `[rows, k] @ [k, n]` far faster than that of a dot with several batch
@@ -20,6 +25,9 @@ def matmul_2d(x: Float[Array, "*batch k"], w: Float[Array, "k n"]) -> Float[Arra
     sharded dimensions is still a local view under the automatic path, since
     only the last (contracted) dimension stays apart.
     """
+    if quant is not None:
+        y = int8_matmul(x.reshape(-1, x.shape[-1]), w, quant.backward, quant.axis)
+        return y.reshape(*x.shape[:-1], w.shape[-1])
     if x.ndim <= 2:
         return jnp.matmul(x, w)
     lead = x.shape[:-1]
@@ -31,6 +39,8 @@ class Linear(eqx.Module):
 
     `axes` names the two weight dimensions (e.g. `("embed", "mlp")`) so sharding
     rules can place the weight without knowing which module it belongs to.
+    `quant` (static, `None` unless a `Policy` marks the layer inside the loss, see
+    `with_quant`) runs the matmul through int8.
     """
 
     weight: Float[Array, "in_features out_features"]
@@ -38,6 +48,7 @@ class Linear(eqx.Module):
     in_features: int = eqx.field(static=True)
     out_features: int = eqx.field(static=True)
     axes: AxisNames = eqx.field(static=True)
+    quant: Int8 | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -47,6 +58,7 @@ class Linear(eqx.Module):
         axes: AxisNames,
         use_bias: bool = True,
         init_std: float = 0.02,
+        quant: Int8 | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -55,6 +67,7 @@ class Linear(eqx.Module):
         - `axes`: logical names of the (input, output) weight dimensions.
         - `use_bias`: whether to add a bias (initialised to zero).
         - `init_std`: standard deviation of the normal weight initialiser.
+        - `quant`: run the matmul through int8 (`eqgpt.nn.quant.Int8`); `None`: in the input's dtype.
         - `key`: a `jax.random.PRNGKey`.
         """
         if len(axes) != 2:
@@ -64,13 +77,21 @@ class Linear(eqx.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.axes = tuple(axes)
+        self.quant = quant
 
     def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch out_features"]:
         """**Arguments:** `x`, any leading dims. **Returns:** `x @ weight + bias`."""
-        y = matmul_2d(x, self.weight.astype(x.dtype))
+        y = matmul_2d(x, self.weight.astype(x.dtype), self.quant)
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype)
         return y
+
+    def with_quant(self, quant: Int8 | None) -> Linear:
+        """This layer with another `quant` setting; the arrays are the same objects."""
+        new = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(new, f.name, quant if f.name == "quant" else getattr(self, f.name))
+        return new
 
     def param_axes(self) -> dict[str, AxisNames]:
         return {"weight": self.axes, "bias": (self.axes[1],)}

@@ -166,7 +166,7 @@ class _Plan:
     def local_loss(self, params, static, batch: Batch):
         """Per-device objective `sum(nll of my rows) / count(all rows)`, and the (nll, z) means."""
         count = token_count(batch.loss_mask, batch.shape, self.dp)
-        model = eqx.combine(self.policy.cast_to_compute(params), static)
+        model = self.policy.compute_model(eqx.combine(params, static))
         # Leaf layers -> tensor-parallel forms, hooks -> region entries; only inside this trace.
         model = tensor_parallel(model, size=self.tp, axis=TENSOR, sequence_parallel=self.sp, seq_len=batch.shape[1],
                                 collective_matmul=self.collective_matmul)

@@ -45,6 +45,8 @@ the matmuls (`eqgpt.parallel.collective_matmul`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,12 @@ def _check_whole_sequence(x: Array, seq_len: int | None, where: str) -> None:
     )
 
 
+def _no_int8_ring(linear: Linear) -> None:
+    """Collective matmul's rings multiply in the compute dtype: refuse an int8 layer there."""
+    if linear.quant is not None:
+        raise ValueError("--precision int8 does not run with --collective-matmul yet; drop one of them.")
+
+
 class ColumnParallelLinear(eqx.Module):
     """A `Linear` whose output features are split over `axis`: `y_i = f(x) @ W[:, cols_i] + b_i`.
 
@@ -176,6 +184,7 @@ class ColumnParallelLinear(eqx.Module):
         _check_whole_sequence(x, self.seq_len, self.where)
         if ring_chunks(x) is None:
             return self.linear(copy_to_tensor(x, self.axis))
+        _no_int8_ring(self.linear)
         y = column_matmul(x, self.linear.weight.astype(x.dtype), self.axis, dim=x.ndim - 2)
         return y if self.linear.bias is None else y + self.linear.bias.astype(y.dtype)
 
@@ -200,9 +209,11 @@ class RowParallelLinear(eqx.Module):
         (under SP this device's sequence shard of it)."""
         w = self.linear.weight.astype(x.dtype)
         if self.collective_matmul:
+            _no_int8_ring(self.linear)
             y = matmul_reduce_scatter(x, w, self.axis, dim=x.ndim - 2)
         else:
-            y = exit_region(matmul_2d(x, w), self.axis, self.sequence_parallel, seq_dim=x.ndim - 2)
+            quant = self.linear.quant and dataclasses.replace(self.linear.quant, axis=self.axis)  # whole-row scales
+            y = exit_region(matmul_2d(x, w, quant), self.axis, self.sequence_parallel, seq_dim=x.ndim - 2)
         if self.linear.bias is not None:
             y = y + self.linear.bias.astype(y.dtype)
         return y
@@ -237,7 +248,7 @@ class ReplicatedKVLinear(eqx.Module):
         start = axis_index(self.axis) // (self.size // self.num_kv_heads) * self.head_dim
         lin = copy_to_tensor(self.linear, self.axis)
         w = jax.lax.dynamic_slice_in_dim(lin.weight, start, self.head_dim, axis=-1)
-        y = matmul_2d(copy_to_tensor(x, self.axis), w.astype(x.dtype))
+        y = matmul_2d(copy_to_tensor(x, self.axis), w.astype(x.dtype), lin.quant)
         if lin.bias is not None:
             y = y + jax.lax.dynamic_slice_in_dim(lin.bias, start, self.head_dim).astype(y.dtype)
         return y

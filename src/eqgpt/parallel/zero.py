@@ -274,7 +274,7 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
         weight = token_count(batch.loss_mask, shape) / token_count(batch.loss_mask, shape, axis)
 
         def loss_of(p):
-            m = map_constraints(eqx.combine(policy.cast_to_compute(p), static), lambda _p, _h: NoConstraint())
+            m = map_constraints(policy.compute_model(eqx.combine(p, static)), lambda _p, _h: NoConstraint())
             loss, aux = lm_batch_loss(m, batch, chunk_size=chunk_size, z_loss=z_loss)
             return loss.astype(jnp.float32) * weight, jax.tree.map(lambda a: a.astype(jnp.float32) * weight, aux)
 

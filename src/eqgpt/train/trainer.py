@@ -87,7 +87,7 @@ def make_eval_fn(loss_fn: LossFn | None = None, policy: Policy | None = None) ->
 
     @eqx.filter_jit
     def evaluate(model, batch):
-        m = model if policy is None else policy.cast_to_compute(model)
+        m = model if policy is None else policy.compute_model(model)
         return loss_fn(m, batch)[0].astype(jnp.float32)
 
     return evaluate
