@@ -9,8 +9,17 @@ if __name__ == "__main__":  # before the heavy imports, which a restart would re
 
     restart_with_malloc_tunables()
 
-from eqgpt.cli.train import *  # noqa: E402, F403  (the recipe's names: TrainConfig, main, parse_flags, ...)
-from eqgpt.cli.train import run  # noqa: E402
+from eqgpt.cli.train import (  # noqa: E402  (the recipe's names, as eqgpt.cli.train.__all__ lists them)
+    TrainConfig,
+    check_run_flags,
+    main,
+    parse_flags,
+    run,
+    strategy_of,
+    use_compile_cache,
+)
+
+__all__ = ["TrainConfig", "check_run_flags", "main", "parse_flags", "run", "strategy_of", "use_compile_cache"]
 
 if __name__ == "__main__":
     run()

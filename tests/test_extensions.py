@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from recipe_runs import console_script
 
 PACKAGE = '''
 import jax
@@ -59,10 +59,7 @@ TINY = ["--steps", "2", "--batch-size", "4", "--log-every", "1", "--eval-every",
         "--no-compile-cache"]
 
 
-def script(name: str) -> list[str]:
-    """The console script `name` beside this Python, else its module run with `-m`."""
-    found = shutil.which(name, path=str(Path(sys.executable).parent))
-    return [found] if found else [sys.executable, "-m", f"eqgpt.cli.{name.removeprefix('eqgpt-')}"]
+script = console_script  # the console script `name` beside this Python, else `python -m`
 
 
 @pytest.fixture(scope="module")

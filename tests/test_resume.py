@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -134,7 +135,13 @@ def test_elastic_resume(reference):
 
 # --- the recipe: a stopped run continues exactly, a finished one is left alone ------------------------
 
-from recipe_runs import TINY, load_recipe, write_documents  # noqa: E402
+from recipe_runs import (  # noqa: E402
+    TINY,
+    console_script,
+    load_recipe,
+    subprocess_compile_cache,
+    write_documents,
+)
 
 RUN = [*TINY, "--steps", "12", "--log-every", "4", "--eval-every", "6", "--sample-tokens", "6"]
 
@@ -167,7 +174,7 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     recipe = load_recipe()
     assert _recipe_run(tmp_path, "straight")["steps"] == 12
 
-    make_loader = recipe.make_loader
+    make_loader = sys.modules[recipe.main.__module__].make_loader
 
     def interrupting_loader(*args, **kwargs):
         loader = make_loader(*args, **kwargs)
@@ -209,3 +216,57 @@ def test_a_new_run_never_overwrites_another(tmp_path):
     with pytest.raises(ValueError, match="holds a finished run without checkpoints"):
         _recipe_run(tmp_path, "run", ["--resume"])
     assert [p.name for p in out.iterdir()] == ["model.eqx"]
+
+
+# --- a refused resume changes nothing (through the console script) -----------------------------------
+
+REFUSED = [  # each differs from the run's checkpoint: the resume is refused before anything is written
+    (["--batch-size", "16", "--data.corpus", "stdlib"], ["--batch-size 16", "--data.corpus stdlib"]),
+    (["--data.corpus", "other"], ["another corpus", "--allow-new-corpus"]),
+    (["--model.embed-dim", "48"], ["--model.embed-dim 48 (the run's: 32)"]),
+    (["--seed", "3", "--data.mode", "packed"], ["--seed 3", "--data.mode packed"]),
+]
+
+
+def _console(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([*console_script("eqgpt-train"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_refused_resumes_leave_the_run_byte_identical_and_the_next_trains_on_its_corpus(tmp_path, tmp_path_factory):
+    """A copy of a finished run, resumed with flags that contradict its checkpoint (batch size and corpus,
+    model width, seed and data mode, another corpus): each exits 1 with one line, and every file of the run
+    keeps its bytes; a plain resume then validates step 12 on the run's own corpus, as the run did; a
+    deliberate switch (--allow-new-corpus) trains on and is recorded in config.json."""
+    env, cache_flags = subprocess_compile_cache(tmp_path_factory)
+    write_documents(tmp_path / "docs")
+    write_documents(tmp_path / "other", seed=1)
+    base = [*RUN, "--eval-every", "12", "--data.cache-dir", str(tmp_path / "cache"), *cache_flags]
+    first = _console([*base, "--data.corpus", "docs", "--out-dir", "run"], tmp_path, env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "run"
+    val_at_12 = [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                 if r["step"] == 12 and "val_loss" in r]
+    before = _checksums(run)
+    for extra, words in REFUSED:
+        got = _console(["--resume", "--out-dir", "run", "--steps", "16", *extra], tmp_path, env)
+        err = got.stderr.strip()
+        assert got.returncode == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, got.stderr[-3000:]
+        assert err.startswith("error: --resume: refused, nothing changed") and all(w in err for w in words), err
+        assert _checksums(run) == before, extra
+    plain = _console(["--resume", "--out-dir", "run", "--steps", "16", *cache_flags], tmp_path, env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    again = [r["val_loss"] for r in rows if r["step"] == 12 and "val_loss" in r]
+    assert again == val_at_12  # measured again on the run's corpus (another corpus validates otherwise)
+    config = json.loads((run / "config.json").read_text())
+    assert config["recipe"]["data"]["corpus"] == "docs" and config["recipe"]["batch_size"] == 8
+    assert [c["name"] for c in config["corpora"]] == ["docs"]
+
+    switched = _console(["--resume", "--out-dir", "run", "--steps", "18", "--data.corpus", "other",
+                         "--allow-new-corpus", *cache_flags], tmp_path, env)
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    assert "--allow-new-corpus: continuing on corpus other" in switched.stdout
+    corpora = json.loads((run / "config.json").read_text())["corpora"]
+    assert [(c["name"], c["from_step"]) for c in corpora] == [("docs", 0), ("other", 16)]

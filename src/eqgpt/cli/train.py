@@ -32,9 +32,9 @@ import tyro
 import eqgpt
 from eqgpt import distributed
 from eqgpt.cli import exit_on_user_error, imports_in
-from eqgpt.cli.checks import check_numbers, check_writable
+from eqgpt.cli.checks import check_numbers, check_writable, flag_name
 from eqgpt.cli.flags import DataConfig, ModelConfig, OptimConfig
-from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
+from eqgpt.compile_cache import enable_compile_cache
 from eqgpt.data import ByteTokenizer, bytes_per_token, eval_windows, load_corpus
 from eqgpt.data.batch import Batch
 from eqgpt.data.grain_source import LoaderConfig, make_loader
@@ -64,7 +64,8 @@ from eqgpt.train.fit import check_fits, largest_batch
 from eqgpt.train.guards import Guard
 from eqgpt.train.logging import check_tensorboard
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
-from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir, point_latest
+from eqgpt.train.resume import check_resume, corpus_record
+from eqgpt.train.run_dir import earlier_rows, finished, new_run_dir, point_latest, run_to_continue
 
 
 @dataclass
@@ -127,6 +128,9 @@ class TrainConfig:
     allow_fresh: bool = False
     ("With --resume: start at step 0 even when the checkpoint directory holds traces of earlier checkpoints "
      "(interrupted writes, damaged steps) but none complete; without it the run refuses.")
+    allow_new_corpus: bool = False
+    ("With --resume: continue on a --data.corpus whose tokens differ from those the run trained on (by default "
+     "refused); the switch and its step are recorded in config.json's 'corpora'.")
     max_skipped: int = 0
     """Stop (exit 76) after this many skipped updates in a row (non-finite loss or gradients); 0: never."""
     divergence_factor: float = 0.0
@@ -217,72 +221,14 @@ def tokenizer_decodes(corpus, model_cfg: eqgpt.GPTConfig) -> bool:
     return not (corpus.pretokenized and isinstance(corpus.tokenizer, ByteTokenizer) and model_cfg.vocab_size > 256)
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "model.eqx", "summary.json", "checkpoints")
-
-
-def run_to_continue(cfg: TrainConfig) -> Path | None:
-    """With --resume, the run directory to continue (--out-dir, else the one runs/latest points at);
-    else `None`, after refusing an --out-dir or --checkpoint-dir that holds another run's files."""
-    if cfg.resume:
-        try:
-            out = Path(cfg.out_dir) if cfg.out_dir is not None else latest_run_dir("runs")
-        except FileNotFoundError as e:
-            raise ValueError(f"--resume: {e} Pass --out-dir to name the run to continue.") from None
-        ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
-        if (out / "model.eqx").is_file() and not (ckpt.is_dir() and any(ckpt.iterdir())):
-            raise ValueError(f"--resume: {out} holds a finished run without checkpoints; it cannot be continued, "
-                             "and starting it again would overwrite it: choose a new --out-dir.")
-        return out
-    if cfg.out_dir is not None and any((Path(cfg.out_dir) / f).exists() for f in RUN_FILES):
-        raise ValueError(f"--out-dir {cfg.out_dir} holds another run; add --resume to continue it, or choose "
-                         "a new directory (a run never overwrites another's outputs).")
-    if cfg.checkpoint_dir is not None and Path(cfg.checkpoint_dir).is_dir() and any(Path(cfg.checkpoint_dir).iterdir()):
-        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds another run's checkpoints; add --resume to "
-                         "continue from them, or choose an empty directory.")
-    return None
-
-
-def run_dir_of(cfg: TrainConfig) -> Path:
-    """--out-dir (created); else a fresh runs/PRESET-<time>, which runs/latest points at once it trains."""
-    if cfg.out_dir is not None:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        return Path(cfg.out_dir)
-    return fresh_run_dir("runs", cfg.model.preset, latest=False)
-
-
-def finished(cfg: TrainConfig, out: Path) -> dict | None:
-    """With --resume: the summary of a run that has finished --steps (its newest checkpoint at or
-    past them, its outputs written); `None` when there is training left to do."""
-    ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
-    summary = out / "summary.json"
-    if not (ckpt.is_dir() and summary.is_file()):
-        return None
-    done = json.loads(summary.read_text())
-    step = Checkpointer(ckpt).latest_step()
-    if step is None or step < cfg.steps or done.get("interrupted") or "stopped" in done:
-        return None
-    return {**done, "finished": True, "interrupted": False}
-
-
-def earlier_rows(out: Path, step: int) -> list[dict]:
-    """The metrics.jsonl rows before a resume at `step` (its validation at `step` is measured again);
-    the file is cut to them, so that each step is logged once across resumes."""
-    path = out / "metrics.jsonl"
-    if not distributed.is_main_process() or not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] < step or (r["step"] == step and "val_loss" not in r)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
-
-
 def model_record(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig) -> dict:
     """The model as `model_config.json` records it: the `GPTConfig` and the block factory's `module:name`."""
     return {**dataclasses.asdict(model_cfg), "block_factory": factory_path(cfg.model.block_factory())}
 
 
-def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> None:
-    """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees."""
+def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpora: list[dict]) -> None:
+    """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees.
+    Written only once every check has passed: a refused run leaves the directory as it was."""
     if jax.process_count() > 1:  # every process must run what process 0 runs, or stop now
         distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg})
     if distributed.is_main_process():
@@ -290,41 +236,101 @@ def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) ->
         if not cfg.resume:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "config.json").write_text(json.dumps(
-            {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg)}, indent=2, default=str))
+            {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg), "corpora": corpora},
+            indent=2, default=str))
 
 
-def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> Checkpointer:
+def corpora_of(cfg: TrainConfig, out: Path, corpus, step: int) -> list[dict]:
+    """config.json's `corpora`: every corpus the run has trained on, each with the step it began at
+    (a new one after --allow-new-corpus)."""
+    saved = out / "config.json"
+    history = json.loads(saved.read_text()).get("corpora") or [] if cfg.resume and saved.is_file() else []
+    now = corpus_record(corpus.name, corpus.fingerprint)
+    if not history or history[-1].get("fingerprint") != corpus.fingerprint:
+        history.append({**now, "from_step": step if history else 0})
+    return history
+
+
+def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpus) -> Checkpointer:
     """Checkpoints every --checkpoint-every steps, and always at the end and on SIGTERM/SIGINT."""
     return Checkpointer(cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
                         keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
                         config={"model": model_cfg.architecture(), "data_order": {"seed": cfg.seed},
+                                "corpus": corpus_record(corpus.name, corpus.fingerprint),
                                 "recipe": dataclasses.asdict(cfg)})
 
 
-def starting_state(cfg: TrainConfig, checkpointer: Checkpointer, state: TrainState, log,
-                   loader=None) -> tuple[TrainState, float]:
-    """With --resume, the latest good checkpoint restored into this run's layout (any mesh, any
-    strategy), and the loader's iterator state with it; else `state`, checked to be the same on
-    every process. **Returns** it and the seconds trained before."""
+# The flag that sets each field a resume compares (eqgpt.train.resume.check_resume).
+RESUME_FLAGS = {"seed": "--seed", "mode": "--data.mode", "batch_size": "--batch-size", "seq_len": "--model.seq-len",
+                "corpus": "--data.corpus",
+                **{f"model.{f.name}": flag_name(f"model.{f.name}") for f in dataclasses.fields(ModelConfig)}}
+
+
+def resume_check(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus, log):
+    """`check(step, saved config, saved extras)`: refuses (one line naming every differing flag) a
+    checkpoint of another model, data pipeline or corpus; logs what it accepts (a moved corpus,
+    --allow-new-corpus)."""
+    model = json.loads(json.dumps(model_cfg.architecture(), default=str))  # as the checkpoint's JSON holds it
+    data = {"seed": cfg.seed, "mode": cfg.data.mode, "seq_len": model_cfg.seq_len}
+    if cfg.batch_size != "auto":
+        data["batch_size"] = cfg.batch_size
+
+    def check(step: int, saved: dict, extras: dict) -> None:
+        for note in check_resume(step, saved, extras, model=model, data=data, flags=RESUME_FLAGS,
+                                 corpus=corpus_record(corpus.name, corpus.fingerprint),
+                                 allow_new_corpus=cfg.allow_new_corpus):
+            log(note)
+    return check
+
+
+def checkpoint_dir_of(cfg: TrainConfig, out: Path) -> Path:
+    return Path(cfg.checkpoint_dir or out / "checkpoints")
+
+
+def check_newest_checkpoint(cfg: TrainConfig, out: Path, check) -> None:
+    """With --resume: the newest checkpoint's record checked against these flags, early (before any
+    compile); a record that cannot be read is left to `restore_run`, which falls back past it."""
+    ckpt = checkpoint_dir_of(cfg, out)
+    if not ckpt.is_dir():
+        return
+    checkpointer = Checkpointer(ckpt)
+    step = checkpointer.latest_step()
+    try:
+        record = checkpointer.saved_record(step) if step is not None else None
+    except Exception:  # noqa: BLE001 - damage: restore names it and falls back
+        record = None
+    if record is not None:
+        check(step, *record)
+
+
+def restore_run(cfg: TrainConfig, out: Path | None, state: TrainState, loader, check, log):
+    """With --resume, the latest good checkpoint that `check` accepts, restored into this run's layout
+    (any mesh, any strategy), and the loader's iterator state with it; writes nothing (but for setting
+    aside damaged checkpoints it passed over). **Returns** the `Restored`, or `None` (start at step 0)."""
     if jax.process_count() > 1:
         distributed.check_replicas_agree(state.model)
-    restored = checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh) if cfg.resume else None
+    if out is None:
+        return None
+    ckpt = checkpoint_dir_of(cfg, out)
+    checkpointer = Checkpointer(ckpt) if ckpt.is_dir() else None  # never create it here
+    restored = (checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh, check=check)
+                if checkpointer is not None else None)
     if restored is not None:
         log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
-        if loader is not None and "data" in restored.extras:
+        if "data" in restored.extras:
             loader.restore(restored.extras["data"])
-        return restored.state, float(restored.extras.get("seconds", 0.0))
-    if cfg.resume:  # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
-        traces = checkpointer.traces()
-        log(f"--resume: no complete checkpoint in {checkpointer.directory}"
-            + (f" (traces: {', '.join(traces)})" if traces else "") + "; starting at step 0")
-    return state, 0.0
+        return restored
+    # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
+    traces = checkpointer.traces() if checkpointer is not None else []
+    log(f"--resume: no complete checkpoint in {ckpt}" + (f" (traces: {', '.join(traces)})" if traces else "")
+        + "; starting at step 0")
+    return None
 
 
 def check_fault_flags(cfg: TrainConfig) -> None:
     """Refuse fault flags that cannot apply (before anything is written or compiled)."""
     Guard(cfg.max_skipped, cfg.divergence_factor, cfg.divergence_window)  # names the bad flag
-    for flag in ("strict", "allow_fresh"):
+    for flag in ("strict", "allow_fresh", "allow_new_corpus"):
         if getattr(cfg, flag) and not cfg.resume:
             raise ValueError(f"--{flag.replace('_', '-')} applies to --resume only; add --resume or drop it.")
 
@@ -494,62 +500,83 @@ def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
     return f"attention auto -> {chosen} ({jax.default_backend()})"
 
 
+def corpus_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig):
+    """The --data corpus, checked (its prompts encodable); **returns** it and `model_cfg` with its vocabulary."""
+    corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
+                         min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
+                         tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
+    model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
+    check_prompts(cfg, corpus.tokenizer)
+    return corpus, model_cfg
+
+
+def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Policy, model_like, model_cfg, state,
+                  compiled):
+    """The training step: compiled once for `windows` batches (`compiled`, from `fit_batch`, when it has one),
+    jitted otherwise. Under jit the step would compile again at step 2, as the state it returns spells its
+    shardings differently from the placed one."""
+    step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
+                              z_loss=cfg.z_loss, model_like=model_like)
+    if cfg.data.mode != "windows" or cfg.report or cfg.estimate:
+        return step_fn
+    windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
+    return compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+
+
+def trainer_settings(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig, out: Path) -> dict:
+    """The `Trainer`'s validation windows and `TrainerConfig` from the flags."""
+    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
+           if cfg.eval_windows else None)
+    config = TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
+                           progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
+                           max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
+                           divergence_window=cfg.divergence_window,
+                           bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg)
+                           else bytes_per_token(corpus.tokenizer, val[:, 1:]))
+    return {"val_windows": val, "config": config}
+
+
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
     t0 = time.perf_counter()
     check_run_flags(cfg)  # before start-up: an error is the only output, not mixed with the backend's
     compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
-    resumed = run_to_continue(cfg)
-    if resumed is not None and (done := finished(cfg, resumed)) is not None:
+    resumed = run_to_continue(cfg.out_dir, cfg.checkpoint_dir, resume=cfg.resume)
+    if resumed is not None and (done := finished(resumed, cfg.checkpoint_dir, cfg.steps)) is not None:
         log(f"run {resumed} has finished its {done['steps']} steps; nothing to do, nothing changed "
             f"(--steps N above {done['steps']} trains on)")
         return done
     model_cfg, block_factory = cfg.model.build(), cfg.model.block_factory()
     cfg.model.check_kernel(model_cfg)
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
-    corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
-                         min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
-                         tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
-    model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
-    check_prompts(cfg, corpus.tokenizer)
+    corpus, model_cfg = corpus_of(cfg, model_cfg)
+    if resumed is not None:  # the checkpoint's model, data and corpus against these flags, before compiling
+        check_newest_checkpoint(cfg, resumed, resume_check(cfg, model_cfg, corpus, lambda msg: None))
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k, block_factory=block_factory))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     if cfg.batch_size != "auto":
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
-    cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # before any file
-    out = resumed or run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
-    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
-    write_run_config(cfg, model_cfg, out)
-    checkpointer = make_checkpointer(cfg, model_cfg, out)
+    cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch),
                          docs=corpus.train_docs)
-    state, seconds = starting_state(cfg, checkpointer, state, log, loader)
-    step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
-                              z_loss=cfg.z_loss, model_like=model_like)
-    if cfg.data.mode == "windows" and not (cfg.report or cfg.estimate):  # one compile: under jit the step would
-        # compile again at step 2, as the state it returns spells its shardings differently from the placed one
-        windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
-        step_fn = compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+    restored = restore_run(cfg, resumed, state, loader, resume_check(cfg, model_cfg, corpus, log), log)
+    # Every check has passed: only now is anything written (a refused run leaves no file and no directory).
+    out = resumed or new_run_dir(cfg.out_dir, cfg.model.preset)
+    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
+    state, seconds = (state, 0.0) if restored is None else (restored.state, float(restored.extras.get("seconds", 0)))
+    write_run_config(cfg, model_cfg, out, corpora_of(cfg, out, corpus, int(state.step)))
+    checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
+    step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))
-    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
-           if cfg.eval_windows else None)
-    trainer = Trainer(
-        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
-        val_windows=val,
-        config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
-                             progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
-                             max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
-                             divergence_window=cfg.divergence_window,
-                             bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg)
-                             else bytes_per_token(corpus.tokenizer, val[:, 1:])),
-        flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
-    )
+    trainer = Trainer(step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
+                      **trainer_settings(cfg, corpus, model_cfg, out), flops_per_token=flops_per_token(model_cfg),
+                      peak_flops=peak)
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
     if resumed is None and cfg.out_dir is None:
         point_latest(out)  # runs/latest: only a run that trains
@@ -608,7 +635,7 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
     if not cfg.resume:
         return cfg
     try:
-        saved = run_to_continue(cfg) / "config.json"
+        saved = run_to_continue(cfg.out_dir, cfg.checkpoint_dir, resume=True) / "config.json"
     except ValueError:
         return cfg  # main says why
     if not saved.is_file():
@@ -625,6 +652,8 @@ def run(args: list[str] | None = None) -> None:
     summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
 
+
+__all__ = ["TrainConfig", "check_run_flags", "main", "parse_flags", "run", "strategy_of", "use_compile_cache"]
 
 if __name__ == "__main__":
     run()

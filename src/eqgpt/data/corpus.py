@@ -61,6 +61,7 @@ class Corpus:
     tokenizer: Tokenizer = ByteTokenizer()  # what made (and decodes) the tokens
     pretokenized: bool = False  # ids read from a token file or a nanoGPT folder, not tokenized here
     notes: tuple[str, ...] = ()  # what loading skipped, for the user to read
+    fingerprint: str = ""  # of the token arrays (`token_fingerprint`): what a resume checks it trains on
 
 
 def default_cache_dir() -> Path:
@@ -172,6 +173,25 @@ def _split(root: Path, files: list[Path], val_percent: float) -> tuple[list[Path
 
 def _fingerprint(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+_WHOLE = 1 << 25  # token arrays up to this many ids are hashed whole; longer ones by 1024 evenly spaced blocks
+_BLOCK = 1 << 14
+
+
+def token_fingerprint(*arrays: np.ndarray) -> str:
+    """A short hash of token arrays: their lengths, dtypes and ids (every id up to 32M ids per array; beyond,
+    1024 evenly spaced blocks of 16K ids, 32 MiB read at most). The same ids give the same fingerprint
+    wherever the files lie; another corpus, tokenizer or validation share gives another."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        h.update(f"{len(a)}:{a.dtype.str};".encode())
+        if len(a) <= _WHOLE:
+            h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+            continue
+        for start in np.linspace(0, len(a) - _BLOCK, 1024).astype(np.int64):
+            h.update(memoryview(np.ascontiguousarray(a[start : start + _BLOCK])).cast("B"))
+    return h.hexdigest()
 
 
 def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progress: str | None = None) -> None:
@@ -541,4 +561,4 @@ def load_corpus(
         n = len(getattr(corpus, split))
         if n < min_tokens:
             raise _too_small(corpus, source, split, n, min_tokens, val_percent)
-    return corpus
+    return dataclasses.replace(corpus, fingerprint=token_fingerprint(corpus.train, corpus.val))
