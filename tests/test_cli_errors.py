@@ -96,3 +96,60 @@ def test_library_messages_get_the_flags_they_are_about():
     assert (one_line(ValueError("microbatches must be\n >= 1"), args)
             == "error: --microbatches 0: microbatches must be >= 1")
     assert one_line(ValueError("--steps 3 is too few"), args) == "error: --steps 3 is too few"  # names its flag already
+
+
+# --- no debris: a refused run leaves no directory (through the console script) ------------------------
+
+
+@pytest.mark.slow
+def test_refused_runs_leave_no_directory(tmp_path):
+    """A token file without document boundaries under --data.mode packed, an empty --out-dir (an unset
+    shell variable) and a binary single file as a text corpus: one line each, exit 1, nothing created."""
+    import numpy as np
+
+    from recipe_runs import console_script
+
+    np.random.default_rng(0).integers(0, 200, 5000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    (tmp_path / "noise.txt").write_bytes(bytes(range(256)) * 64)  # a NUL in its first 8 KiB
+    cases = [(["--data.corpus", "tokens.bin", "--data.mode", "packed", "--out-dir", "runs/p"], "--data.mode packed"),
+             (["--out-dir", ""], "--out-dir is empty"),
+             (["--data.corpus", "noise.txt"], "is binary")]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args, words in cases:
+        proc = subprocess.run([*console_script("eqgpt-train"), "--model.seq-len", "16", "--no-compile-cache",
+                               "--data.cache-dir", str(tmp_path / "cache"), *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        err = proc.stderr.strip()
+        assert proc.returncode == 1 and len(err.splitlines()) == 1 and words in err, (args, proc.stderr[-2000:])
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == before, args
+
+
+def test_runs_latest_follows_any_run_under_runs(tmp_path, monkeypatch):
+    from eqgpt.train.run_dir import point_latest, under_root
+
+    monkeypatch.chdir(tmp_path)
+    assert under_root("runs/mine") and under_root(tmp_path / "runs" / "x") and under_root("./runs/y/")
+    assert not under_root("elsewhere/mine") and not under_root("runs/a/b") and not under_root("runs")
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    point_latest("runs/mine")
+    assert (tmp_path / "runs" / "latest").resolve() == (tmp_path / "runs" / "mine").resolve()
+
+
+def test_sample_says_which_run_it_loads_and_why(tmp_path, monkeypatch, capsys):
+    import jax
+
+    from eqgpt.nn import GPT
+    from eqgpt.train import save_model
+    from eqgpt.train.run_dir import point_latest
+    from helpers import TINY
+
+    monkeypatch.chdir(tmp_path)
+    save_model(tmp_path / "runs" / "mine", GPT(TINY, key=jax.random.key(0)))
+    point_latest(tmp_path / "runs" / "mine")
+    from eqgpt.cli.sample import SampleConfig
+    from eqgpt.cli.sample import main as sample_main
+
+    sample_main(SampleConfig(prompt="ab", max_new_tokens=2, num_samples=1))
+    out = capsys.readouterr().out
+    assert f"loading run {(tmp_path / 'runs' / 'mine').resolve()} (runs/latest: the newest run" in out
+    assert "a run elsewhere needs --run-dir" in out

@@ -65,7 +65,7 @@ from eqgpt.train.guards import Guard
 from eqgpt.train.logging import check_tensorboard
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 from eqgpt.train.resume import check_resume, corpus_record
-from eqgpt.train.run_dir import earlier_rows, finished, new_run_dir, point_latest, run_to_continue
+from eqgpt.train.run_dir import earlier_rows, finished, new_run_dir, point_latest, run_to_continue, under_root
 
 
 @dataclass
@@ -348,6 +348,9 @@ def check_run_flags(cfg: TrainConfig) -> None:
     check_numbers(cfg)
     for name in ("out_dir", "checkpoint_dir"):
         path = getattr(cfg, name)
+        if path is not None and str(path) in ("", "."):  # '' parses as '.': an unset shell variable, most likely
+            raise ValueError(f"--{name.replace('_', '-')} is empty (or '.'): it would write the run into the current "
+                             "directory; name a directory (an unset shell variable?), or leave the flag out.")
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
     check_writable(cfg.out_dir or "runs", "--out-dir")
@@ -507,6 +510,9 @@ def corpus_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig):
                          tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
     model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
     check_prompts(cfg, corpus.tokenizer)
+    if cfg.data.mode == "packed" and corpus.train_docs is None:
+        raise ValueError(f"--data.mode packed needs document boundaries, which {cfg.data.corpus} lacks: put "
+                         "NAME.docs.npy ([0, end_0, ..., n_tokens]) beside the token file, or use --data.mode windows.")
     return corpus, model_cfg
 
 
@@ -578,8 +584,8 @@ def main(cfg: TrainConfig) -> dict:
                       **trainer_settings(cfg, corpus, model_cfg, out), flops_per_token=flops_per_token(model_cfg),
                       peak_flops=peak)
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
-    if resumed is None and cfg.out_dir is None:
-        point_latest(out)  # runs/latest: only a run that trains
+    if resumed is None and under_root(out):
+        point_latest(out)  # runs/latest: the newest run under runs/ that trains, however it was named
     return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
 
 

@@ -112,6 +112,9 @@ def scan_text_files(source: str | Path) -> tuple[Path, list[Path], tuple[str, ..
                 "'data/**/*.txt', a .bin/.npy token file, a nanoGPT data folder, or 'stdlib'."
             )
         if path.is_file():
+            if is_binary(path):  # the rule directories apply to their files
+                raise ValueError(f"corpus file {s!r} is binary (a NUL byte in its first 8 KiB), not text: pass a "
+                                 "text file, a .bin (uint16) or .npy token file, or a nanoGPT data folder.")
             return path.parent, [path], ()
         found, hidden_dirs, hidden_files = _walk(path)
         if not found and not hidden_dirs and not hidden_files:

@@ -111,6 +111,11 @@ def fresh_run_dir(root: str | Path, name: str, *, latest: bool = True) -> Path:
     return out
 
 
+def under_root(run: str | Path, root: str | Path = ROOT) -> bool:
+    """Whether `run` lies directly in `root` (however it was named): then `root/latest` follows it."""
+    return Path(run).absolute().parent.resolve() == Path(root).absolute().resolve()
+
+
 def point_latest(run: str | Path) -> None:
     """Point `latest` beside `run` at it (process 0 only; relative, so the runs directory can move)."""
     if jax.process_index() != 0:
@@ -136,4 +141,4 @@ def _named(root: Path, name: str, stamp: int, suffix: int) -> Path:
 
 
 __all__ = ["LATEST", "ROOT", "RUN_FILES", "earlier_rows", "finished", "fresh_run_dir", "latest_run_dir",
-           "new_run_dir", "point_latest", "run_to_continue"]
+           "new_run_dir", "point_latest", "run_to_continue", "under_root"]
