@@ -270,3 +270,48 @@ def test_refused_resumes_leave_the_run_byte_identical_and_the_next_trains_on_its
     assert "--allow-new-corpus: continuing on corpus other" in switched.stdout
     corpora = json.loads((run / "config.json").read_text())["corpora"]
     assert [(c["name"], c["from_step"]) for c in corpora] == [("docs", 0), ("other", 16)]
+
+
+# --- extending a run continues its learning-rate schedule ---------------------------------------------
+
+
+def test_schedule_tails_continue_without_a_jump():
+    from eqgpt.train.optim import extend_schedule, make_lr_schedule
+
+    base = make_lr_schedule(1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    for start in (60, 100):  # stopped mid-decay, and finished
+        for tail, at_end in (("cosine", 0.1), ("linear", 0.1), ("constant", float(base(start)))):
+            s = extend_schedule(base, start=start, end=200, final=0.1, tail=tail)
+            assert float(s(start - 1)) == float(base(start - 1)) and abs(float(s(start)) - float(base(start))) < 1e-7
+            assert abs(float(s(start + 1)) - float(base(start))) < 0.01  # no jump
+            np.testing.assert_allclose(float(s(200)), at_end, rtol=1e-6)
+    with pytest.raises(ValueError, match="tail must be one of"):
+        extend_schedule(base, start=100, end=200, final=0.1, tail="cosign")
+
+
+@pytest.mark.slow
+def test_extending_a_finished_run_continues_its_learning_rate(tmp_path, capsys):
+    """200 steps, then --resume --steps 300: the rate at step 201 is within 1% of step 200's (the default
+    cosine tail), the log names the tail, and config.json records it."""
+    write_documents(tmp_path / "docs")
+    recipe = load_recipe()
+    args = [*TINY, "--eval-windows", "0", "--log-every", "1", "--optim.warmup-steps", "10",
+            "--optim.min-lr-ratio", "0.02", "--data.corpus", str(tmp_path / "docs"),
+            "--data.cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")]
+    recipe.main(recipe.parse_flags([*args, "--steps", "200"]))
+    capsys.readouterr()
+    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "300"]))
+    printed = capsys.readouterr().out
+    assert "--steps 300 extends the run's schedule: cosine tail from 6e-05 at step 200" in printed, printed
+    lr = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+          if "lr" in r}
+    assert sorted(lr) == list(range(1, 301))
+    assert abs(lr[201] - lr[200]) <= 0.01 * lr[200] and max(lr[s] for s in range(201, 301)) <= 1.01 * lr[200]
+    schedule = json.loads((tmp_path / "run" / "config.json").read_text())["schedule"]
+    assert schedule == {"planned_steps": 200, "tails": [{"from": 200, "to": 300, "tail": "cosine"}]}
+    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "305",
+                                    "--optim.lr", "1e-3", "--optim.extend", "constant"]))
+    printed = capsys.readouterr().out
+    assert "changed on resume: --optim.lr 0.001 (the run's: 0.003); the learning rate at step 300 moves from " \
+           "6e-05 to 2e-05" in printed, printed
+    assert "constant tail from 2e-05 at step 300" in printed

@@ -63,6 +63,7 @@ from eqgpt.train.checkpoint import Checkpointer
 from eqgpt.train.fit import check_fits, largest_batch
 from eqgpt.train.guards import Guard
 from eqgpt.train.logging import check_tensorboard
+from eqgpt.train.optim import extend_schedule
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
 from eqgpt.train.resume import check_resume, corpus_record
 from eqgpt.train.run_dir import earlier_rows, finished, new_run_dir, point_latest, run_to_continue, under_root
@@ -191,12 +192,64 @@ def policy_of(cfg: TrainConfig) -> Policy:
     return Policy.named(name, master_weights=cfg.master_weights)
 
 
-def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):
-    """AdamW with warmup and cosine decay, as the --optim flags say (with the policy's master
-    weights, if any); **returns** (optimizer, schedule)."""
-    o, policy = cfg.optim, policy or Policy()
-    schedule = make_lr_schedule(o.lr, total_steps=cfg.steps, warmup_steps=min(o.warmup_steps, cfg.steps - 1),
+def schedule_plan(cfg: TrainConfig, out: Path | None, step: int | None) -> dict:
+    """The run's learning-rate plan, as config.json records it: `planned_steps` (its warmup and cosine)
+    and `tails`, each `{"from", "to", "tail"}` (`extend_schedule`). A resume at `step` to --steps past the
+    plan's end adds a tail (--optim.extend; `restart`: a new plan over --steps)."""
+    fresh = {"planned_steps": cfg.steps, "tails": []}
+    saved = out / "config.json" if out is not None else None
+    if not step or saved is None or not saved.is_file() or cfg.optim.extend == "restart":
+        return fresh
+    record = json.loads(saved.read_text())
+    plan = record.get("schedule") or {"planned_steps": record["recipe"]["steps"], "tails": []}
+    end = plan["tails"][-1]["to"] if plan["tails"] else plan["planned_steps"]
+    if cfg.steps <= end:
+        return plan
+    return {**plan, "tails": [*plan["tails"], {"from": step, "to": cfg.steps, "tail": cfg.optim.extend}]}
+
+
+def schedule_of(cfg: TrainConfig, plan: dict | None = None):
+    """The learning rate of the --optim flags over `plan` (`schedule_plan`; default: --steps from step 0)."""
+    o, plan = cfg.optim, plan or {"planned_steps": cfg.steps, "tails": []}
+    total = plan["planned_steps"]
+    schedule = make_lr_schedule(o.lr, total_steps=total, warmup_steps=min(o.warmup_steps, total - 1),
                                 min_lr_ratio=o.min_lr_ratio)
+    for tail in plan["tails"]:
+        schedule = extend_schedule(schedule, start=tail["from"], end=tail["to"], final=o.lr * o.min_lr_ratio,
+                                   tail=tail["tail"])
+    return schedule
+
+
+def schedule_notes(cfg: TrainConfig, out: Path | None, step: int | None, plan: dict) -> list[str]:
+    """With --resume: one line for a tail this resume adds, one naming --optim flags changed from the run's."""
+    if not step or out is None or not (out / "config.json").is_file():
+        return []
+    notes, saved = [], json.loads((out / "config.json").read_text())
+    was = saved["recipe"].get("optim", {})
+    changed = [f"{flag_name('optim.' + k)} {getattr(cfg.optim, k)} (the run's: {was[k]})"
+               for k in ("lr", "warmup_steps", "min_lr_ratio") if k in was and was[k] != getattr(cfg.optim, k)]
+    now = schedule_of(cfg, plan)
+    if changed:
+        before = schedule_of(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **{
+            k: was[k] for k in ("lr", "warmup_steps", "min_lr_ratio") if k in was})), plan)
+        notes.append(f"changed on resume: {', '.join(changed)}; the learning rate at step {step} moves from "
+                     f"{float(before(step)):.3g} to {float(now(step)):.3g}")
+    if cfg.optim.extend == "restart" and cfg.steps > saved["recipe"]["steps"]:
+        notes.append(f"--optim.extend restart: a new warmup and cosine over {cfg.steps} steps; the learning rate "
+                     f"jumps to {float(now(step)):.3g} at step {step}")
+    elif plan["tails"] and plan["tails"][-1]["from"] == step:
+        t = plan["tails"][-1]
+        notes.append(f"--steps {t['to']} extends the run's schedule: {t['tail']} tail from {float(now(step)):.3g} "
+                     f"at step {step} to {float(now(t['to'])):.3g} at step {t['to']} (--optim.extend: cosine, "
+                     "linear, constant or restart)")
+    return notes
+
+
+def optimizer_of(cfg: TrainConfig, policy: Policy | None = None, plan: dict | None = None):
+    """AdamW with warmup and cosine decay, as the --optim flags say, over the run's `plan` (`schedule_plan`),
+    with the policy's master weights, if any; **returns** (optimizer, schedule)."""
+    o, policy = cfg.optim, policy or Policy()
+    schedule = schedule_of(cfg, plan)
     return policy.optimizer(make_optimizer(
         schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
         decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases,
@@ -226,7 +279,8 @@ def model_record(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig) -> dict:
     return {**dataclasses.asdict(model_cfg), "block_factory": factory_path(cfg.model.block_factory())}
 
 
-def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpora: list[dict]) -> None:
+def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpora: list[dict],
+                     plan: dict) -> None:
     """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees.
     Written only once every check has passed: a refused run leaves the directory as it was."""
     if jax.process_count() > 1:  # every process must run what process 0 runs, or stop now
@@ -236,8 +290,8 @@ def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, co
         if not cfg.resume:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "config.json").write_text(json.dumps(
-            {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg), "corpora": corpora},
-            indent=2, default=str))
+            {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg), "corpora": corpora,
+             "schedule": plan}, indent=2, default=str))
 
 
 def corpora_of(cfg: TrainConfig, out: Path, corpus, step: int) -> list[dict]:
@@ -287,12 +341,13 @@ def checkpoint_dir_of(cfg: TrainConfig, out: Path) -> Path:
     return Path(cfg.checkpoint_dir or out / "checkpoints")
 
 
-def check_newest_checkpoint(cfg: TrainConfig, out: Path, check) -> None:
+def check_newest_checkpoint(cfg: TrainConfig, out: Path, check) -> int | None:
     """With --resume: the newest checkpoint's record checked against these flags, early (before any
-    compile); a record that cannot be read is left to `restore_run`, which falls back past it."""
+    compile); a record that cannot be read is left to `restore_run`, which falls back past it.
+    **Returns** the newest checkpoint's step (`None`: none)."""
     ckpt = checkpoint_dir_of(cfg, out)
     if not ckpt.is_dir():
-        return
+        return None
     checkpointer = Checkpointer(ckpt)
     step = checkpointer.latest_step()
     try:
@@ -301,6 +356,7 @@ def check_newest_checkpoint(cfg: TrainConfig, out: Path, check) -> None:
         record = None
     if record is not None:
         check(step, *record)
+    return step
 
 
 def restore_run(cfg: TrainConfig, out: Path | None, state: TrainState, loader, check, log):
@@ -461,9 +517,9 @@ def start_jax(cfg: TrainConfig) -> Path | None:
     return compile_cache
 
 
-def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_model):
+def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_model, plan: dict | None = None):
     """The freshly initialised `TrainState` in the strategy's layout; **returns** it, the optimizer, the schedule."""
-    optimizer, schedule = optimizer_of(cfg, policy)
+    optimizer, schedule = optimizer_of(cfg, policy, plan)
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
     model = strategy.init_model(make_model, key_model)
     state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
@@ -557,13 +613,14 @@ def main(cfg: TrainConfig) -> dict:
     cfg.model.check_kernel(model_cfg)
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
     corpus, model_cfg = corpus_of(cfg, model_cfg)
-    if resumed is not None:  # the checkpoint's model, data and corpus against these flags, before compiling
-        check_newest_checkpoint(cfg, resumed, resume_check(cfg, model_cfg, corpus, lambda msg: None))
+    newest = (None if resumed is None  # the checkpoint's model, data and corpus against these flags, before compiling
+              else check_newest_checkpoint(cfg, resumed, resume_check(cfg, model_cfg, corpus, lambda msg: None)))
+    plan = schedule_plan(cfg, resumed, newest)
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k, block_factory=block_factory))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     if cfg.batch_size != "auto":
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
-    state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
+    state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model, plan)
     cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch),
@@ -573,7 +630,9 @@ def main(cfg: TrainConfig) -> dict:
     out = resumed or new_run_dir(cfg.out_dir, cfg.model.preset)
     describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
     state, seconds = (state, 0.0) if restored is None else (restored.state, float(restored.extras.get("seconds", 0)))
-    write_run_config(cfg, model_cfg, out, corpora_of(cfg, out, corpus, int(state.step)))
+    for note in schedule_notes(cfg, resumed, int(state.step), plan):
+        log(note)
+    write_run_config(cfg, model_cfg, out, corpora_of(cfg, out, corpus, int(state.step)), plan)
     checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
     step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
