@@ -315,3 +315,69 @@ def test_extending_a_finished_run_continues_its_learning_rate(tmp_path, capsys):
     assert "changed on resume: --optim.lr 0.001 (the run's: 0.003); the learning rate at step 300 moves from " \
            "6e-05 to 2e-05" in printed, printed
     assert "constant tail from 2e-05 at step 300" in printed
+
+
+# --- stoppable: SIGTERM in seconds, Ctrl-C twice without a traceback, a step too big refused ------------
+
+STOP_SCRIPT = """
+import os, signal, sys, time
+from eqgpt.train.preemption import StopSignal, at_forced_exit
+at_forced_exit(lambda: "(the recipe's note)")
+with StopSignal() as stop:
+    for s in {signals}:
+        os.kill(os.getpid(), s)
+    time.sleep(60)  # a compile, step or validation that takes no stop: the watcher ends the process
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("signals, code, line", [
+    ("[signal.SIGTERM]", 75, "stopped by SIGTERM: the run was inside a compile, step or validation that did not "
+                             "end within 1 s. (the recipe's note)"),
+    ("[signal.SIGINT, signal.SIGINT]", 130,
+     "second Ctrl-C: stopped at once, without a checkpoint. (the recipe's note)"),
+])
+def test_a_stop_the_loop_cannot_take_ends_the_process_in_one_line(signals, code, line):
+    env = {**os.environ, "EQGPT_STOP_GRACE_S": "1"}
+    proc = subprocess.run([sys.executable, "-c", STOP_SCRIPT.format(signals=signals)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stdout.strip() == line and "Traceback" not in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_step_predicted_not_to_fit_is_refused_before_compiling(tmp_path, monkeypatch):
+    """--model.seq-len 100000 on a CPU: the estimate (eqgpt.profile.estimate) exceeds the machine's memory;
+    one error naming the flags, before any compile, and no directory."""
+    recipe = load_recipe()
+    np.random.default_rng(0).integers(0, 250, 300_000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    compiled = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiled.append(1))
+    with pytest.raises(ValueError, match=r"^--model.seq-len 100000 --batch-size 32: the step is predicted to need "
+                                         r"[\d.]+ GiB per device .* lower --model.seq-len or --batch-size"):
+        recipe.main(recipe.parse_flags(["--model.seq-len", "100000", "--data.corpus", str(tmp_path / "tokens.bin"),
+                                        "--data.val-percent", "50", "--out-dir", str(tmp_path / "run"),
+                                        "--no-compile-cache"]))
+    assert not compiled and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_inside_a_long_validation_stops_at_once_and_leaves_nothing(tmp_path):
+    """SIGTERM (as `timeout -s TERM` sends it) during a first validation of long sequences: the run ends with
+    exit status 75 and one line, no traceback, and the new run directory (no step completed) is removed."""
+    np.random.default_rng(0).integers(0, 250, 400_000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    env = {**os.environ, "EQGPT_STOP_GRACE_S": "2"}
+    cmd = [*console_script("eqgpt-train"), "--model.seq-len", "2048", "--batch-size", "2", "--eval-windows", "64",
+           "--data.corpus", "tokens.bin", "--out-dir", "runs/long", "--no-progress", "--no-compile-cache",
+           "--sample-tokens", "0"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:  # the line before the first validation
+        lines.append(line)
+        if line.startswith("model nano"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    printed = "".join(lines) + out
+    assert proc.returncode == 75, printed + err[-2000:]
+    assert "Traceback" not in err and "stopped" in printed and "new run directory runs/long was removed" in printed
+    assert not (tmp_path / "runs" / "long").exists() and not (tmp_path / "runs" / "latest").is_symlink()

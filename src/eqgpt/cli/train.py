@@ -64,9 +64,18 @@ from eqgpt.train.fit import check_fits, largest_batch
 from eqgpt.train.guards import Guard
 from eqgpt.train.logging import check_tensorboard
 from eqgpt.train.optim import extend_schedule
-from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
+from eqgpt.train.preemption import PREEMPTED_EXIT_CODE, Stopped, StopSignal, at_forced_exit, forced_exit
 from eqgpt.train.resume import check_resume, corpus_record
-from eqgpt.train.run_dir import earlier_rows, finished, new_run_dir, point_latest, run_to_continue, under_root
+from eqgpt.train.run_dir import (
+    committed_steps,
+    earlier_rows,
+    finished,
+    leave_run,
+    new_run_dir,
+    point_latest,
+    run_to_continue,
+    under_root,
+)
 
 
 @dataclass
@@ -441,8 +450,9 @@ def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok)
             for i, p in enumerate(cfg.sample_prompts)]
 
 
-def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float) -> dict:
-    """Save the model, plot, sample and summarise; **returns** the summary."""
+def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float, leave) -> dict:
+    """Save the model, plot, sample and summarise; **returns** the summary. A run stopped by SIGTERM
+    leaves at once: its checkpoint, or (a new run that completed no step) nothing (`leave`)."""
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
     if trainer.fault is not None:  # non-finite or diverged: the last good state is saved; nothing to export
@@ -453,10 +463,11 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
         return summary
     if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
         summary["seconds"] = trainer.seconds_before + time.perf_counter() - t0
-        if is_main:
+        if is_main and committed_steps(checkpoint_dir_of(cfg, out)):
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            print(f"stopped at step {summary['steps']} by SIGTERM; rerun with --resume to continue "
-                  f"(exit status {PREEMPTED_EXIT_CODE})", flush=True)
+        if is_main:
+            print(f"stopped at step {summary['steps']} by SIGTERM (exit status {PREEMPTED_EXIT_CODE}). {leave()}",
+                  flush=True)
         return summary
     # from host memory if offloaded
     state = eqx.tree_at(lambda s: s.model, state, trainer.placement.on_device(state.model))
@@ -549,14 +560,43 @@ def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, m
     return dataclasses.replace(cfg, batch_size=batch), compiled
 
 
+def check_memory(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, strategy: Strategy, policy: Policy) -> None:
+    """Before the first compile: refuse a step whose predicted bytes per device (`eqgpt.profile.estimate`)
+    exceed the memory it has: a CPU's RAM shared by its devices, or (by more than half again: the compiled
+    step's check is exact there) an accelerator's. Names the flags that shrink it."""
+    if cfg.batch_size == "auto":  # found by compiling, within the device's memory
+        return
+    from eqgpt.profile import estimate
+    from eqgpt.train.fit import GIB, device_memory
+
+    limit, margin, where = device_memory(), 1.5, "the device's memory"
+    if limit is None:
+        import os
+
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(jax.local_devices())
+        margin, where = 1.0, "this machine's memory" + (" per CPU device" if len(jax.local_devices()) > 1 else "")
+    predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy,
+                         scores=kernel_name(model_cfg, policy) == "reference").total
+    if predicted > margin * limit:
+        raise ValueError(
+            f"--model.seq-len {model_cfg.seq_len} --batch-size {cfg.batch_size}: the step is predicted to need "
+            f"{predicted / GIB:.1f} GiB per device (eqgpt.profile.estimate), above the {limit / GIB:.1f} GiB of "
+            f"{where}; lower --model.seq-len or --batch-size, or add --accum-steps N or --model.remat full.")
+
+
+def kernel_name(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
+    """The attention kernel the model runs ('auto' resolved for this backend and length)."""
+    if model_cfg.attention_kernel != "auto":
+        return model_cfg.attention_kernel
+    mask = make_mask(model_cfg.mask, model_cfg.window)
+    return auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
+
+
 def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
     """Which attention kernel the model runs, e.g. 'attention auto -> splash'."""
-    name = model_cfg.attention_kernel
-    if name != "auto":
-        return f"attention {name}"
-    mask = make_mask(model_cfg.mask, model_cfg.window)
-    chosen = auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
-    return f"attention auto -> {chosen} ({jax.default_backend()})"
+    if model_cfg.attention_kernel != "auto":
+        return f"attention {model_cfg.attention_kernel}"
+    return f"attention auto -> {kernel_name(model_cfg, policy)} ({jax.default_backend()})"
 
 
 def corpus_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig):
@@ -620,21 +660,22 @@ def main(cfg: TrainConfig) -> dict:
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     if cfg.batch_size != "auto":
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
+    check_memory(cfg, model_cfg, strategy, policy)  # before the first compile
     state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model, plan)
     cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch),
                          docs=corpus.train_docs)
     restored = restore_run(cfg, resumed, state, loader, resume_check(cfg, model_cfg, corpus, log), log)
-    # Every check has passed: only now is anything written (a refused run leaves no file and no directory).
-    out = resumed or new_run_dir(cfg.out_dir, cfg.model.preset)
-    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
     state, seconds = (state, 0.0) if restored is None else (restored.state, float(restored.extras.get("seconds", 0)))
+    step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
+    # Every check has passed: only now is anything written (a refused run leaves no file and no directory).
+    out, leave = open_run(cfg, resumed)
+    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
     for note in schedule_notes(cfg, resumed, int(state.step), plan):
         log(note)
     write_run_config(cfg, model_cfg, out, corpora_of(cfg, out, corpus, int(state.step)), plan)
     checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
-    step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
@@ -643,9 +684,17 @@ def main(cfg: TrainConfig) -> dict:
                       **trainer_settings(cfg, corpus, model_cfg, out), flops_per_token=flops_per_token(model_cfg),
                       peak_flops=peak)
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
-    if resumed is None and under_root(out):
-        point_latest(out)  # runs/latest: the newest run under runs/ that trains, however it was named
-    return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
+    return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0, leave)
+
+
+def open_run(cfg: TrainConfig, resumed: Path | None):
+    """The run directory (a new one made now, and runs/latest pointed at it when it lies in runs/), and
+    `leave()`: what a stop leaves (`eqgpt.train.run_dir.leave_run`), also said by a forced exit."""
+    out = resumed or new_run_dir(cfg.out_dir, cfg.model.preset)
+    before = point_latest(out) if resumed is None and under_root(out) else None  # runs/latest: the newest run
+    leave = lambda: leave_run(out, checkpoint_dir_of(cfg, out), new=resumed is None, latest_before=before)  # noqa: E731
+    at_forced_exit(leave)
+    return out, leave
 
 
 def model_line(cfg: TrainConfig, model_cfg, model_like, policy, corpus, strategy: Strategy, peak: str) -> str:
@@ -714,7 +763,11 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
 def run(args: list[str] | None = None) -> None:
     """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status 1."""
     restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
-    summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
+    try:
+        with StopSignal(immediate=True):  # SIGTERM/Ctrl-C before training: leave at once (a trainer takes over)
+            summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
+    except Stopped as e:
+        forced_exit(f"stopped by {e} before training began (exit status {PREEMPTED_EXIT_CODE}).")
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
 
 

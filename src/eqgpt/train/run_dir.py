@@ -12,6 +12,8 @@ calls `new_run_dir` last).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -116,14 +118,41 @@ def under_root(run: str | Path, root: str | Path = ROOT) -> bool:
     return Path(run).absolute().parent.resolve() == Path(root).absolute().resolve()
 
 
-def point_latest(run: str | Path) -> None:
-    """Point `latest` beside `run` at it (process 0 only; relative, so the runs directory can move)."""
+def point_latest(run: str | Path) -> str | None:
+    """Point `latest` beside `run` at it (process 0 only; relative, so the runs directory can move);
+    **returns** what it pointed at before (`None`: nothing), for `leave_run` to put back."""
     if jax.process_index() != 0:
-        return
+        return None
     link = Path(run).parent / LATEST
+    before = os.readlink(link) if link.is_symlink() else None
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(Path(run).name, target_is_directory=True)
+    return before
+
+
+def committed_steps(checkpoint_dir: str | Path) -> list[int]:
+    """The committed checkpoint steps in `checkpoint_dir` (numbered directories; interrupted writes and
+    set-aside steps carry suffixes), read from the listing alone: safe while another thread trains."""
+    path = Path(checkpoint_dir)
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit()) if path.is_dir() else []
+
+
+def leave_run(out: Path, checkpoint_dir: str | Path, *, new: bool, latest_before: str | None = None) -> str:
+    """What a stopped run leaves: its newest checkpoint, named; or, for a `new` run that reached none,
+    nothing (the directory is removed and `latest` put back). **Returns** the sentence that says so."""
+    steps = committed_steps(checkpoint_dir)
+    if steps:
+        return f"The newest checkpoint is step {steps[-1]} in {checkpoint_dir}: --resume continues from it."
+    if not new or jax.process_index() != 0:
+        return "No checkpoint was reached."
+    shutil.rmtree(out, ignore_errors=True)
+    link = Path(out).parent / LATEST
+    if link.is_symlink() and os.readlink(link) == Path(out).name:
+        link.unlink()
+        if latest_before is not None:
+            link.symlink_to(latest_before, target_is_directory=True)
+    return f"No step was completed, so no checkpoint: the new run directory {out} was removed."
 
 
 def latest_run_dir(root: str | Path) -> Path:
@@ -140,5 +169,5 @@ def _named(root: Path, name: str, stamp: int, suffix: int) -> Path:
     return root / (base if suffix == 1 else f"{base}-{suffix}")
 
 
-__all__ = ["LATEST", "ROOT", "RUN_FILES", "earlier_rows", "finished", "fresh_run_dir", "latest_run_dir",
-           "new_run_dir", "point_latest", "run_to_continue", "under_root"]
+__all__ = ["LATEST", "ROOT", "RUN_FILES", "committed_steps", "earlier_rows", "finished", "fresh_run_dir",
+           "latest_run_dir", "leave_run", "new_run_dir", "point_latest", "run_to_continue", "under_root"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -221,11 +222,18 @@ class Trainer:
         if self.writer is not None and config.bytes_per_token:
             self.writer.bytes_per_token = config.bytes_per_token
 
-    def validate(self, model: PyTree) -> float | None:
-        """Mean loss over the validation windows (nats/token), or `None` without them."""
+    def validate(self, model: PyTree, stop: StopSignal | None = None) -> float | None:
+        """Mean loss over the validation windows (nats/token), or `None` without them or when `stop` is
+        requested before the last batch (a stop never waits for a whole validation)."""
         if self._val is None:
             return None
-        losses = [self.eval_fn(model, self.placement.batch(b)) for b, _ in self._val]
+        losses = []
+        for b, _ in self._val:
+            if stop is not None and stop.requested:
+                return None
+            losses.append(self.eval_fn(model, self.placement.batch(b)))
+            if stop is not None:
+                jax.block_until_ready(losses[-1])  # so that a stop is seen between batches
         weights = [n for _, n in self._val]
         return float(np.average(jax.device_get(losses), weights=weights))
 
@@ -259,11 +267,11 @@ class Trainer:
             profile = ProfileWindow(*cfg.profile_steps, out)
         try:
             with StopSignal() as flag:
-                val = self.validate(self.state.model)
+                val = self.validate(self.state.model, flag)
                 if val is not None:
                     self._log({"step": start, "val_loss": val, **self._bpb(val), "time": 0.0})
                     bar.print(f"step {start}: val loss {val:.3f}")
-                step, stop = start, False
+                step, stop = start, flag.should_stop(start)
                 good = None  # with the divergence stop: the state entering the first divergent step
                 while step < cfg.steps and not stop:
                     batch = self.placement.batch(self.loader.local_batch(step))
@@ -290,7 +298,7 @@ class Trainer:
                     if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1:
                         pending = (step, metrics)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                        self._eval_row(step, bar, t_begin)
+                        self._eval_row(step, bar, t_begin, flag)
                     if step < cfg.steps:  # the last step's save comes after its row is logged (below)
                         self._checkpoint(step)
                     stop = flag.should_stop(step)  # every process, every step: they stop together
@@ -301,11 +309,14 @@ class Trainer:
                     return self.state
                 self.interrupted = stop
                 self.stop_signal = flag.signal if stop else None
-                self._checkpoint(step, force=True)  # the final (or preempted) state
+                if not (stop and step == start):  # a stop before any step has nothing new to save
+                    self._checkpoint(step, force=True)  # the final (or preempted) state
                 if stop:
-                    saved = f"; checkpoint {step} written" if self.checkpointer is not None else ""
+                    saved = (f"; checkpoint {step} written" if self.checkpointer is not None and step > start
+                             else "; no step completed, nothing new to save" if step == start else "")
                     bar.print(f"interrupted: stopped cleanly after step {step}{saved}")
-                if not cfg.eval_every or step % cfg.eval_every or step == cfg.steps:
+                if (not cfg.eval_every or step % cfg.eval_every or step == cfg.steps) and not (
+                        stop and flag.signal == signal.SIGTERM):  # SIGTERM leaves at once; Ctrl-C validates
                     self._eval_row(step, bar, t_begin)
         finally:
             if profile is not None:
@@ -347,8 +358,8 @@ class Trainer:
         """Training time so far, earlier sessions of a resumed run included."""
         return self.seconds_before + time.perf_counter() - self._t_begin
 
-    def _eval_row(self, step: int, bar: _Progress, t_begin: float):
-        val = self.validate(self.state.model)
+    def _eval_row(self, step: int, bar: _Progress, t_begin: float, stop: StopSignal | None = None):
+        val = self.validate(self.state.model, stop)
         if val is not None:
             self._log({"step": step, "val_loss": val, **self._bpb(val), "time": time.perf_counter() - t_begin})
             bar.print(f"step {step}: val loss {val:.3f}")
