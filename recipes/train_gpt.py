@@ -5,9 +5,11 @@
 """
 
 if __name__ == "__main__":  # before the heavy imports, which a restart would repeat
+    from eqgpt.cli.entry import quiet_native_logs
     from eqgpt.launch import restart_with_malloc_tunables
 
     restart_with_malloc_tunables()
+    quiet_native_logs()
 
 from eqgpt.cli.train import (  # noqa: E402  (the recipe's names, as eqgpt.cli.train.__all__ lists them)
     TrainConfig,

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -176,6 +177,9 @@ class TrainConfig:
     profile_steps: tuple[int, int] | None = None
     ("Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace "
      "(Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md.")
+    verbose: bool = False
+    ("Show what is kept out of the console by default: XLA's C++ log lines (TF_CPP_MIN_LOG_LEVEL) and JAX's "
+     "warning that donated batch buffers were not reused.")
     log: Literal["jsonl", "tensorboard"] = "jsonl"
     ("'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is "
      "always written.")
@@ -520,6 +524,8 @@ def use_compile_cache(cfg: TrainConfig) -> Path | None:
 def start_jax(cfg: TrainConfig) -> Path | None:
     """What must precede the first use of a JAX backend (XLA's flags, the CPU device count, the
     compilation cache), then the multi-process start-up; **returns** the cache directory or `None`."""
+    if not cfg.verbose:  # the step donates the whole batch too; its int32 buffers cannot alias any output
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable", category=UserWarning)
     cfg.parallel.before_backend()  # XLA reads its flags when the backend starts (--overlap)
     if cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)

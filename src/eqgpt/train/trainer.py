@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,9 +115,9 @@ def eval_batches(windows: np.ndarray, batch_size: int, divisor: int) -> list[tup
 
 class _Progress:
     def __init__(self, total: int, start: int, enabled: bool, quiet: bool = False):
-        self.bar = None
+        self.bar, self.total = None, total
         self.quiet = quiet  # processes other than 0 print nothing
-        if enabled:
+        if enabled and sys.stdout.isatty():  # a file or pipe gets lines (`update`), not a bar's redraws
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -133,10 +134,13 @@ class _Progress:
             self.task = self.bar.add_task("train", total=total, completed=start, info="compiling...")
             self.bar.start()
 
-    def update(self, step: int, info: str | None = None):
+    def update(self, step: int, info: str | None = None, eta: float | None = None):
         if self.bar is not None:
             kw = {} if info is None else {"info": info}
             self.bar.update(self.task, completed=step, **kw)
+        elif info is not None and not self.quiet:  # no bar (--no-progress, or stdout not a terminal): a line
+            left = "" if eta is None else f" | eta {int(eta // 60)}m{int(eta % 60):02d}s"
+            print(f"step {step}/{self.total}: {info}{left}", flush=True)
 
     def print(self, msg: str):
         if self.quiet:
@@ -386,7 +390,8 @@ class Trainer:
                 row["mfu"] = tps * self.flops_per_token / self.peak_flops
                 info += f" | MFU {row['mfu']:.1%}"
         self._log(row)
-        bar.update(step, info)
+        eta = (self.config.steps - step) * tokens_per_step / row["tokens_per_s"] if "tokens_per_s" in row else None
+        bar.update(step, info, eta)
         return step, now
 
 
