@@ -18,7 +18,7 @@ from typing import Annotated
 
 import tyro
 
-from eqgpt.cli import exit_on_user_error
+from eqgpt.cli import exit_on_user_error, parse_cli
 
 
 @dataclass
@@ -142,7 +142,7 @@ def main(cfg: SampleConfig) -> list[str]:
 
 def run(args: list[str] | None = None) -> None:
     """The console script `eqgpt-sample`: flags -> `main`; a user error is one line and exit status 1."""
-    exit_on_user_error(lambda: main(tyro.cli(SampleConfig, args=args)), args=args)
+    exit_on_user_error(lambda: main(parse_cli(SampleConfig, args=args)), args=args)
 
 
 if __name__ == "__main__":

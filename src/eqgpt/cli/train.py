@@ -32,7 +32,7 @@ import tyro
 
 import eqgpt
 from eqgpt import distributed
-from eqgpt.cli import exit_on_user_error, imports_in
+from eqgpt.cli import exit_on_user_error, imports_in, parse_cli
 from eqgpt.cli.checks import check_numbers, check_writable, flag_name
 from eqgpt.cli.flags import DataConfig, ModelConfig, OptimConfig
 from eqgpt.compile_cache import enable_compile_cache
@@ -751,7 +751,7 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
     """The command line; with --resume, flags left out default to the continued run's (its config.json).
     Every --import is imported first, so that its kernels, blocks and presets are names the flags accept."""
     import_modules(imports_in(sys.argv[1:] if args is None else args))
-    cfg = tyro.cli(TrainConfig, args=args)
+    cfg = parse_cli(TrainConfig, args=args)
     if not cfg.resume:
         return cfg
     try:
@@ -760,14 +760,15 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
         return cfg  # main says why
     if not saved.is_file():
         return cfg
-    cfg = tyro.cli(TrainConfig, args=args,
-                   default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
+    cfg = parse_cli(TrainConfig, args=args,
+                    default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
     import_modules(cfg.imports)  # the continued run's own
     return cfg
 
 
 def run(args: list[str] | None = None) -> None:
-    """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status 1."""
+    """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status
+    `USER_ERROR_EXIT_CODE` (1), as in `eqgpt-sample` and `python -m eqgpt.interop`."""
     restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
     try:
         with StopSignal(immediate=True):  # SIGTERM/Ctrl-C before training: leave at once (a trainer takes over)
