@@ -259,6 +259,7 @@ WRONG_TRAIN = [
     (["--out-dir", "taken"], "--out-dir taken holds another run"),
     (["--checkpoint-dir", "ckpts"], "--checkpoint-dir ckpts holds another run's checkpoints"),
     (["--resume", "--out-dir", "afile"], "--out-dir afile is a file"),
+    (["--resume", "--out-dir", "taken"], "is not a run's config.json"),
     (["--strict"], "--strict applies to --resume only"),
     (["--allow-fresh"], "--allow-fresh applies to --resume only"),
     (["--allow-new-corpus"], "--allow-new-corpus applies to --resume only"),

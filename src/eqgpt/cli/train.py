@@ -676,7 +676,7 @@ def main(cfg: TrainConfig) -> dict:
     state, seconds = (state, 0.0) if restored is None else (restored.state, float(restored.extras.get("seconds", 0)))
     step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
     # Every check has passed: only now is anything written (a refused run leaves no file and no directory).
-    out, leave = open_run(cfg, resumed)
+    out, leave, forget = open_run(cfg, resumed)
     describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
     for note in schedule_notes(cfg, resumed, int(state.step), plan):
         log(note)
@@ -690,17 +690,20 @@ def main(cfg: TrainConfig) -> dict:
                       **trainer_settings(cfg, corpus, model_cfg, out), flops_per_token=flops_per_token(model_cfg),
                       peak_flops=peak)
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
-    return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0, leave)
+    try:
+        return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0, leave)
+    finally:
+        forget()  # this run's note for a forced exit
 
 
 def open_run(cfg: TrainConfig, resumed: Path | None):
-    """The run directory (a new one made now, and runs/latest pointed at it when it lies in runs/), and
-    `leave()`: what a stop leaves (`eqgpt.train.run_dir.leave_run`), also said by a forced exit."""
+    """The run directory (a new one made now, and runs/latest pointed at it when it lies in runs/);
+    `leave()`: what a stop leaves (`eqgpt.train.run_dir.leave_run`), also said by a forced exit; and the
+    function that withdraws it from forced exits."""
     out = resumed or new_run_dir(cfg.out_dir, cfg.model.preset)
     before = point_latest(out) if resumed is None and under_root(out) else None  # runs/latest: the newest run
     leave = lambda: leave_run(out, checkpoint_dir_of(cfg, out), new=resumed is None, latest_before=before)  # noqa: E731
-    at_forced_exit(leave)
-    return out, leave
+    return out, leave, at_forced_exit(leave)
 
 
 def model_line(cfg: TrainConfig, model_cfg, model_like, policy, corpus, strategy: Strategy, peak: str) -> str:
@@ -760,8 +763,12 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
         return cfg  # main says why
     if not saved.is_file():
         return cfg
-    cfg = parse_cli(TrainConfig, args=args,
-                    default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
+    try:
+        recipe = json.loads(saved.read_text())["recipe"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--resume: {saved} is not a run's config.json (it holds no 'recipe'); name the run's "
+                         "directory with --out-dir.") from None
+    cfg = parse_cli(TrainConfig, args=args, default=config_from_json(TrainConfig, recipe))
     import_modules(cfg.imports)  # the continued run's own
     return cfg
 
@@ -773,8 +780,8 @@ def run(args: list[str] | None = None) -> None:
     try:
         with StopSignal(immediate=True):  # SIGTERM/Ctrl-C before training: leave at once (a trainer takes over)
             summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
-    except Stopped as e:
-        forced_exit(f"stopped by {e} before training began (exit status {PREEMPTED_EXIT_CODE}).")
+    except Stopped as e:  # outside the training loop: before it (nothing written yet) or after it
+        forced_exit(f"stopped by {e} (exit status {PREEMPTED_EXIT_CODE}).")
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
 
 
