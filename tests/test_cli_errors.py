@@ -213,6 +213,9 @@ WRONG_TRAIN = [
     (["--optim.clip-norm", "-1"], "--optim.clip-norm"),
     (["--data.val-percent", "100"], "--data.val-percent"),
     (["--data.val-percent", "-1"], "--data.val-percent"),
+    (["--data.val-percent", "0"], "--data.val-percent must be in (0, 100)"),
+    (["--data.corpus", "odd.bin"], "an odd number: a .bin token file is uint16"),
+    (["--data.cache-dir", "/proc/nope"], "--data.cache-dir (or EQGPT_CACHE)"),
     (["--data.threads", "-1"], "--data.threads"),
     (["--data.prefetch", "0"], "--data.prefetch"),
     (["--model.seq-len", "0"], "--model.seq-len"),
@@ -310,6 +313,7 @@ def wrong_inputs_dir(tmp_path_factory):
     np.random.default_rng(0).integers(0, 250, 5000).astype(np.uint16).tofile(root / "tokens.bin")
     np.random.default_rng(0).integers(0, 250, 300_000).astype(np.uint16).tofile(root / "big.bin")
     np.save(root / "matrix.npy", np.zeros((4, 4), np.int32))
+    (root / "odd.bin").write_bytes(b"\1" * 20001)
     return root
 
 

@@ -267,8 +267,12 @@ def _split_docs(bounds: np.ndarray | None, n_train: int, n: int) -> tuple[np.nda
 
 
 def _memmap(path: Path) -> np.ndarray:
-    if path.stat().st_size == 0:
+    size = path.stat().st_size
+    if size == 0:
         return np.zeros((0,), np.uint16)
+    if size % 2:
+        raise ValueError(f"{path} holds {size:,} bytes, an odd number: a .bin token file is uint16 ids (2 bytes "
+                         "each); write it with np.asarray(ids, np.uint16).tofile(path), or save a .npy.")
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
@@ -321,7 +325,11 @@ def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer, progre
         else tokenizer.fingerprint
     key = _fingerprint([str(root), stats, val_percent, spec] + (["tail"] if len(files) == 1 else []))
     cache = Path(cache_dir).expanduser() / f"{Path(name).name or 'corpus'}-{key}"
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write the token cache in {cache_dir} ({e.strerror or e}); set --data.cache-dir "
+                         "(or EQGPT_CACHE) to a directory you can write to.") from None
     tokenizer = _corpus_tokenizer(tokenizer, cache, train_files, progress)
     arrays, docs = {}, {}
     for split, split_files in (("train", train_files), ("val", val_files)):
