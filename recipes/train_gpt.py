@@ -12,6 +12,9 @@ if __name__ == "__main__":  # before the heavy imports, which a restart would re
     quiet_native_logs()
 
 from eqgpt.cli.train import (  # noqa: E402  (the recipe's names, as eqgpt.cli.train.__all__ lists them)
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
     TrainConfig,
     check_run_flags,
     main,
@@ -21,7 +24,8 @@ from eqgpt.cli.train import (  # noqa: E402  (the recipe's names, as eqgpt.cli.t
     use_compile_cache,
 )
 
-__all__ = ["TrainConfig", "check_run_flags", "main", "parse_flags", "run", "strategy_of", "use_compile_cache"]
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "check_run_flags", "main", "parse_flags", "run",
+           "strategy_of", "use_compile_cache"]
 
 if __name__ == "__main__":
     run()

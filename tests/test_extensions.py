@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from eqgpt.cli import USER_ERROR_EXIT_CODE
 from recipe_runs import console_script
 
 PACKAGE = '''
@@ -95,7 +96,8 @@ def test_a_users_kernel_and_block_train_sample_and_are_recorded(setting, monkeyp
     from eqgpt.interop.__main__ import main as interop
 
     monkeypatch.syspath_prepend(str(setting / "pkgs"))
-    assert interop(["export", "--run", str(setting / "custom"), "--to", str(setting / "hf-custom")]) == 2
+    export = ["export", "--run", str(setting / "custom"), "--to", str(setting / "hf-custom")]
+    assert interop(export) == USER_ERROR_EXIT_CODE
     assert "trained with block factory thatpkg:block" in capsys.readouterr().err
 
 

@@ -785,7 +785,8 @@ def run(args: list[str] | None = None) -> None:
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
 
 
-__all__ = ["TrainConfig", "check_run_flags", "main", "parse_flags", "run", "strategy_of", "use_compile_cache"]
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "check_run_flags", "main", "parse_flags", "run",
+           "strategy_of", "use_compile_cache"]
 
 if __name__ == "__main__":
     run()
