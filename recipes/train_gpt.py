@@ -5,12 +5,27 @@
 """
 
 if __name__ == "__main__":  # before the heavy imports, which a restart would repeat
+    from eqgpt.cli.entry import quiet_native_logs
     from eqgpt.launch import restart_with_malloc_tunables
 
     restart_with_malloc_tunables()
+    quiet_native_logs()
 
-from eqgpt.cli.train import *  # noqa: E402, F403  (the recipe's names: TrainConfig, main, parse_flags, ...)
-from eqgpt.cli.train import run  # noqa: E402
+from eqgpt.cli.train import (  # noqa: E402  (the recipe's names, as eqgpt.cli.train.__all__ lists them)
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    check_run_flags,
+    main,
+    parse_flags,
+    run,
+    strategy_of,
+    use_compile_cache,
+)
+
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "check_run_flags", "main", "parse_flags", "run",
+           "strategy_of", "use_compile_cache"]
 
 if __name__ == "__main__":
     run()

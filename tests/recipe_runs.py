@@ -24,6 +24,12 @@ TINY = ["--model.num-layers", "2", "--model.num-heads", "2", "--model.embed-dim"
         "--optim.lr", "3e-3"]
 
 
+def console_script(name: str) -> list[str]:
+    """The console script `name` (`eqgpt-train`, `eqgpt-sample`) beside this Python, else its module run with `-m`."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent))
+    return [found] if found else [sys.executable, "-m", f"eqgpt.cli.{name.removeprefix('eqgpt-')}"]
+
+
 def load_recipe():
     """`recipes/train_gpt.py` as a module, loaded once per process: a second load would replace
     the `sys.modules` entry through which an earlier load's dataclasses resolve their annotations."""

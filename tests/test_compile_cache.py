@@ -10,6 +10,7 @@ import jax
 import pytest
 import tyro
 
+from eqgpt.compile_cache import COMPILE_CACHE_BYTES
 from recipe_runs import RECIPES, load_recipe
 
 # In a fresh process (the cache must be set before the first compile, and this suite keeps
@@ -42,7 +43,7 @@ def test_recipe_caches_compiled_programs_by_default(tmp_path):
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["path"] == str(tmp_path / "xla")  # the documented directory, under $EQGPT_CACHE
     assert got["hits"] >= 1 and any(p.name.endswith("-cache") for p in (tmp_path / "xla").iterdir())
-    assert got["max_size"] == load_recipe().COMPILE_CACHE_BYTES  # bounded, so JAX locks each read and write
+    assert got["max_size"] == COMPILE_CACHE_BYTES  # bounded, so JAX locks each read and write
 
 
 def test_recipe_compile_cache_flags(tmp_path, monkeypatch):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from eqgpt.cli import USER_ERROR_EXIT_CODE
+from recipe_runs import console_script
 
 PACKAGE = '''
 import jax
@@ -59,10 +60,7 @@ TINY = ["--steps", "2", "--batch-size", "4", "--log-every", "1", "--eval-every",
         "--no-compile-cache"]
 
 
-def script(name: str) -> list[str]:
-    """The console script `name` beside this Python, else its module run with `-m`."""
-    found = shutil.which(name, path=str(Path(sys.executable).parent))
-    return [found] if found else [sys.executable, "-m", f"eqgpt.cli.{name.removeprefix('eqgpt-')}"]
+script = console_script  # the console script `name` beside this Python, else `python -m`
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +96,8 @@ def test_a_users_kernel_and_block_train_sample_and_are_recorded(setting, monkeyp
     from eqgpt.interop.__main__ import main as interop
 
     monkeypatch.syspath_prepend(str(setting / "pkgs"))
-    assert interop(["export", "--run", str(setting / "custom"), "--to", str(setting / "hf-custom")]) == 2
+    export = ["export", "--run", str(setting / "custom"), "--to", str(setting / "hf-custom")]
+    assert interop(export) == USER_ERROR_EXIT_CODE
     assert "trained with block factory thatpkg:block" in capsys.readouterr().err
 
 

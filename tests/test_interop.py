@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import eqgpt
+from eqgpt.cli import USER_ERROR_EXIT_CODE
 from eqgpt.interop import hf as hf_mod
 from eqgpt.interop import load_hf, load_hf_gpt2, save_hf_gpt2
 from eqgpt.nn import GPT
@@ -243,7 +244,7 @@ def test_cli_exports_saved_model_and_orbax_checkpoint(tmp_path):
         np.testing.assert_allclose(hf_logits(hf, tokens), eq_logits(src, tokens), atol=1e-5, rtol=1e-5)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "a" / "tokenizer.json"))
     assert tok("héllo").input_ids == list("héllo".encode())
-    assert cli(["export", "--run", str(run), "--to", str(tmp_path / "c"), "--step", "9"]) == 2
+    assert cli(["export", "--run", str(run), "--to", str(tmp_path / "c"), "--step", "9"]) == USER_ERROR_EXIT_CODE
 
 
 def eqx_arrays(model):

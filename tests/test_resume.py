@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -134,7 +135,13 @@ def test_elastic_resume(reference):
 
 # --- the recipe: a stopped run continues exactly, a finished one is left alone ------------------------
 
-from recipe_runs import TINY, load_recipe, write_documents  # noqa: E402
+from recipe_runs import (  # noqa: E402
+    TINY,
+    console_script,
+    load_recipe,
+    subprocess_compile_cache,
+    write_documents,
+)
 
 RUN = [*TINY, "--steps", "12", "--log-every", "4", "--eval-every", "6", "--sample-tokens", "6"]
 
@@ -167,7 +174,7 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     recipe = load_recipe()
     assert _recipe_run(tmp_path, "straight")["steps"] == 12
 
-    make_loader = recipe.make_loader
+    make_loader = sys.modules[recipe.main.__module__].make_loader
 
     def interrupting_loader(*args, **kwargs):
         loader = make_loader(*args, **kwargs)
@@ -209,3 +216,168 @@ def test_a_new_run_never_overwrites_another(tmp_path):
     with pytest.raises(ValueError, match="holds a finished run without checkpoints"):
         _recipe_run(tmp_path, "run", ["--resume"])
     assert [p.name for p in out.iterdir()] == ["model.eqx"]
+
+
+# --- a refused resume changes nothing (through the console script) -----------------------------------
+
+REFUSED = [  # each differs from the run's checkpoint: the resume is refused before anything is written
+    (["--batch-size", "16", "--data.corpus", "stdlib"], ["--batch-size 16", "--data.corpus stdlib"]),
+    (["--data.corpus", "other"], ["another corpus", "--allow-new-corpus"]),
+    (["--model.embed-dim", "48"], ["--model.embed-dim 48 (the run's: 32)"]),
+    (["--seed", "3", "--data.mode", "packed"], ["--seed 3", "--data.mode packed"]),
+]
+
+
+def _console(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([*console_script("eqgpt-train"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_refused_resumes_leave_the_run_byte_identical_and_the_next_trains_on_its_corpus(tmp_path, tmp_path_factory):
+    """A copy of a finished run, resumed with flags that contradict its checkpoint (batch size and corpus,
+    model width, seed and data mode, another corpus): each exits 1 with one line, and every file of the run
+    keeps its bytes; a plain resume then validates step 12 on the run's own corpus, as the run did; a
+    deliberate switch (--allow-new-corpus) trains on and is recorded in config.json."""
+    env, cache_flags = subprocess_compile_cache(tmp_path_factory)
+    write_documents(tmp_path / "docs")
+    write_documents(tmp_path / "other", seed=1)
+    base = [*RUN, "--eval-every", "12", "--data.cache-dir", str(tmp_path / "cache"), *cache_flags]
+    first = _console([*base, "--data.corpus", "docs", "--out-dir", "run"], tmp_path, env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "run"
+    val_at_12 = [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                 if r["step"] == 12 and "val_loss" in r]
+    before = _checksums(run)
+    for extra, words in REFUSED:
+        got = _console(["--resume", "--out-dir", "run", "--steps", "16", *extra], tmp_path, env)
+        err = got.stderr.strip()
+        assert got.returncode == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, got.stderr[-3000:]
+        assert err.startswith("error: --resume: refused, nothing changed") and all(w in err for w in words), err
+        assert _checksums(run) == before, extra
+    plain = _console(["--resume", "--out-dir", "run", "--steps", "16", *cache_flags], tmp_path, env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    again = [r["val_loss"] for r in rows if r["step"] == 12 and "val_loss" in r]
+    assert again == val_at_12  # measured again on the run's corpus (another corpus validates otherwise)
+    config = json.loads((run / "config.json").read_text())
+    assert config["recipe"]["data"]["corpus"] == "docs" and config["recipe"]["batch_size"] == 8
+    assert [c["name"] for c in config["corpora"]] == ["docs"]
+
+    switched = _console(["--resume", "--out-dir", "run", "--steps", "18", "--data.corpus", "other",
+                         "--allow-new-corpus", *cache_flags], tmp_path, env)
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    assert "--allow-new-corpus: continuing on corpus other" in switched.stdout
+    corpora = json.loads((run / "config.json").read_text())["corpora"]
+    assert [(c["name"], c["from_step"]) for c in corpora] == [("docs", 0), ("other", 16)]
+
+
+# --- extending a run continues its learning-rate schedule ---------------------------------------------
+
+
+def test_schedule_tails_continue_without_a_jump():
+    from eqgpt.train.optim import extend_schedule, make_lr_schedule
+
+    base = make_lr_schedule(1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    for start in (60, 100):  # stopped mid-decay, and finished
+        for tail, at_end in (("cosine", 0.1), ("linear", 0.1), ("constant", float(base(start)))):
+            s = extend_schedule(base, start=start, end=200, final=0.1, tail=tail)
+            assert float(s(start - 1)) == float(base(start - 1)) and abs(float(s(start)) - float(base(start))) < 1e-7
+            assert abs(float(s(start + 1)) - float(base(start))) < 0.01  # no jump
+            np.testing.assert_allclose(float(s(200)), at_end, rtol=1e-6)
+    with pytest.raises(ValueError, match="tail must be one of"):
+        extend_schedule(base, start=100, end=200, final=0.1, tail="cosign")
+
+
+@pytest.mark.slow
+def test_extending_a_finished_run_continues_its_learning_rate(tmp_path, capsys):
+    """200 steps, then --resume --steps 300: the rate at step 201 is within 1% of step 200's (the default
+    cosine tail), the log names the tail, and config.json records it."""
+    write_documents(tmp_path / "docs")
+    recipe = load_recipe()
+    args = [*TINY, "--eval-windows", "0", "--log-every", "1", "--optim.warmup-steps", "10",
+            "--optim.min-lr-ratio", "0.02", "--data.corpus", str(tmp_path / "docs"),
+            "--data.cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")]
+    recipe.main(recipe.parse_flags([*args, "--steps", "200"]))
+    capsys.readouterr()
+    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "300"]))
+    printed = capsys.readouterr().out
+    assert "--steps 300 extends the run's schedule: cosine tail from 6e-05 at step 200" in printed, printed
+    lr = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+          if "lr" in r}
+    assert sorted(lr) == list(range(1, 301))
+    assert abs(lr[201] - lr[200]) <= 0.01 * lr[200] and max(lr[s] for s in range(201, 301)) <= 1.01 * lr[200]
+    schedule = json.loads((tmp_path / "run" / "config.json").read_text())["schedule"]
+    assert schedule == {"planned_steps": 200, "tails": [{"from": 200, "to": 300, "tail": "cosine"}]}
+    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "305",
+                                    "--optim.lr", "1e-3", "--optim.extend", "constant"]))
+    printed = capsys.readouterr().out
+    assert "changed on resume: --optim.lr 0.001 (the run's: 0.003); the learning rate at step 300 moves from " \
+           "6e-05 to 2e-05" in printed, printed
+    assert "constant tail from 2e-05 at step 300" in printed
+
+
+# --- stoppable: SIGTERM in seconds, Ctrl-C twice without a traceback, a step too big refused ------------
+
+STOP_SCRIPT = """
+import os, signal, sys, time
+from eqgpt.train.preemption import StopSignal, at_forced_exit
+at_forced_exit(lambda: "(the recipe's note)")
+with StopSignal() as stop:
+    for s in {signals}:
+        os.kill(os.getpid(), s)
+    time.sleep(60)  # a compile, step or validation that takes no stop: the watcher ends the process
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("signals, code, line", [
+    ("[signal.SIGTERM]", 75, "stopped by SIGTERM: the run was inside a compile, step or validation that did not "
+                             "end within 1 s. (the recipe's note)"),
+    ("[signal.SIGINT, signal.SIGINT]", 130,
+     "second Ctrl-C: stopped at once, without a checkpoint. (the recipe's note)"),
+])
+def test_a_stop_the_loop_cannot_take_ends_the_process_in_one_line(signals, code, line):
+    env = {**os.environ, "EQGPT_STOP_GRACE_S": "1"}
+    proc = subprocess.run([sys.executable, "-c", STOP_SCRIPT.format(signals=signals)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stdout.strip() == line and "Traceback" not in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_step_predicted_not_to_fit_is_refused_before_compiling(tmp_path, monkeypatch):
+    """--model.seq-len 100000 on a CPU: the estimate (eqgpt.profile.estimate) exceeds the machine's memory;
+    one error naming the flags, before any compile, and no directory."""
+    recipe = load_recipe()
+    np.random.default_rng(0).integers(0, 250, 300_000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    compiled = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiled.append(1))
+    with pytest.raises(ValueError, match=r"^--model.seq-len 100000 --batch-size 32: the step is predicted to need "
+                                         r"[\d.]+ GiB per device .* lower --model.seq-len or --batch-size"):
+        recipe.main(recipe.parse_flags(["--model.seq-len", "100000", "--data.corpus", str(tmp_path / "tokens.bin"),
+                                        "--data.val-percent", "50", "--out-dir", str(tmp_path / "run"),
+                                        "--no-compile-cache"]))
+    assert not compiled and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_inside_a_long_validation_stops_at_once_and_leaves_nothing(tmp_path):
+    """SIGTERM (as `timeout -s TERM` sends it) during a first validation of long sequences: the run ends with
+    exit status 75 and one line, no traceback, and the new run directory (no step completed) is removed."""
+    np.random.default_rng(0).integers(0, 250, 400_000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    env = {**os.environ, "EQGPT_STOP_GRACE_S": "2"}
+    cmd = [*console_script("eqgpt-train"), "--model.seq-len", "2048", "--batch-size", "2", "--eval-windows", "64",
+           "--data.corpus", "tokens.bin", "--out-dir", "runs/long", "--no-progress", "--no-compile-cache",
+           "--sample-tokens", "0"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:  # the line before the first validation
+        lines.append(line)
+        if line.startswith("model nano"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    printed = "".join(lines) + out
+    assert proc.returncode == 75, printed + err[-2000:]
+    assert "Traceback" not in err and "stopped" in printed and "new run directory runs/long was removed" in printed
+    assert not (tmp_path / "runs" / "long").exists() and not (tmp_path / "runs" / "latest").is_symlink()

@@ -10,7 +10,7 @@ _AT_LEAST_0 = (lambda v: v >= 0, "at least 0")
 _AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
 _FRACTION = (lambda v: 0 <= v <= 1, "between 0 and 1")
 _DECAY = (lambda v: 0 <= v < 1, "in [0, 1)")
-_PERCENT = (lambda v: 0 <= v < 100, "in [0, 100)")
+_PERCENT = (lambda v: 0 < v < 100, "in (0, 100): above 0 and below 100")  # as load_corpus says
 
 NUMERIC_FLAGS = {
     "optim.lr": _POSITIVE, "optim.warmup_steps": _AT_LEAST_0, "optim.min_lr_ratio": _FRACTION,

@@ -154,3 +154,7 @@ class OptimConfig:
     """Also apply weight decay to norm scales and biases."""
     mu_dtype: Literal["fp32", "bf16"] | None = None
     """AdamW's first moment in this dtype (bf16 halves it; default: the parameters' dtype)."""
+    extend: Literal["cosine", "linear", "constant", "restart"] = "cosine"
+    ("How --resume --steps N past the run's schedule continues the learning rate, from its rate at the resume "
+     "step (no jump): cosine down to the final rate (lr x min_lr_ratio) at step N, linear down to it, constant; "
+     "or restart (a new warmup and cosine over all N steps: the rate jumps).")

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import tyro
 
-from eqgpt.cli import exit_on_user_error
+from eqgpt.cli import exit_on_user_error, parse_cli
 
 
 @dataclass
@@ -107,7 +107,9 @@ def main(cfg: SampleConfig) -> list[str]:
         if not run_dir.is_dir():
             raise ValueError(f"--run-dir {cfg.run_dir} is not a run directory; train one with eqgpt-train "
                              "(recipes/train_gpt.py) or pass --run-dir.")
-        print(f"loading run {run_dir}", flush=True)
+        why = (" (runs/latest: the newest run trained under runs/; a run elsewhere needs --run-dir DIR)"
+               if Path(cfg.run_dir) == Path("runs/latest") else "")
+        print(f"loading run {run_dir}{why}", flush=True)
         try:
             model = load_model(run_dir, block_factory=cfg.block)
         except ValueError as e:
@@ -140,7 +142,7 @@ def main(cfg: SampleConfig) -> list[str]:
 
 def run(args: list[str] | None = None) -> None:
     """The console script `eqgpt-sample`: flags -> `main`; a user error is one line and exit status 1."""
-    exit_on_user_error(lambda: main(tyro.cli(SampleConfig, args=args)), args=args)
+    exit_on_user_error(lambda: main(parse_cli(SampleConfig, args=args)), args=args)
 
 
 if __name__ == "__main__":

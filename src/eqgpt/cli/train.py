@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -31,10 +32,10 @@ import tyro
 
 import eqgpt
 from eqgpt import distributed
-from eqgpt.cli import exit_on_user_error, imports_in
-from eqgpt.cli.checks import check_numbers, check_writable
+from eqgpt.cli import exit_on_user_error, imports_in, parse_cli
+from eqgpt.cli.checks import check_numbers, check_writable, flag_name
 from eqgpt.cli.flags import DataConfig, ModelConfig, OptimConfig
-from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
+from eqgpt.compile_cache import enable_compile_cache
 from eqgpt.data import ByteTokenizer, bytes_per_token, eval_windows, load_corpus
 from eqgpt.data.batch import Batch
 from eqgpt.data.grain_source import LoaderConfig, make_loader
@@ -63,8 +64,19 @@ from eqgpt.train.checkpoint import Checkpointer
 from eqgpt.train.fit import check_fits, largest_batch
 from eqgpt.train.guards import Guard
 from eqgpt.train.logging import check_tensorboard
-from eqgpt.train.preemption import PREEMPTED_EXIT_CODE
-from eqgpt.train.run_dir import fresh_run_dir, latest_run_dir, point_latest
+from eqgpt.train.optim import extend_schedule
+from eqgpt.train.preemption import PREEMPTED_EXIT_CODE, Stopped, StopSignal, at_forced_exit, forced_exit
+from eqgpt.train.resume import check_resume, corpus_record
+from eqgpt.train.run_dir import (
+    committed_steps,
+    earlier_rows,
+    finished,
+    leave_run,
+    new_run_dir,
+    point_latest,
+    run_to_continue,
+    under_root,
+)
 
 
 @dataclass
@@ -127,6 +139,9 @@ class TrainConfig:
     allow_fresh: bool = False
     ("With --resume: start at step 0 even when the checkpoint directory holds traces of earlier checkpoints "
      "(interrupted writes, damaged steps) but none complete; without it the run refuses.")
+    allow_new_corpus: bool = False
+    ("With --resume: continue on a --data.corpus whose tokens differ from those the run trained on (by default "
+     "refused); the switch and its step are recorded in config.json's 'corpora'.")
     max_skipped: int = 0
     """Stop (exit 76) after this many skipped updates in a row (non-finite loss or gradients); 0: never."""
     divergence_factor: float = 0.0
@@ -166,6 +181,9 @@ class TrainConfig:
     profile_steps: tuple[int, int] | None = None
     ("Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace "
      "(Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md.")
+    verbose: bool = False
+    ("Show what is kept out of the console by default: XLA's C++ log lines (TF_CPP_MIN_LOG_LEVEL) and JAX's "
+     "warning that donated batch buffers were not reused.")
     log: Literal["jsonl", "tensorboard"] = "jsonl"
     ("'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is "
      "always written.")
@@ -191,12 +209,64 @@ def policy_of(cfg: TrainConfig) -> Policy:
     return Policy.named(name, master_weights=cfg.master_weights, int8_backward=cfg.int8_backward)
 
 
-def optimizer_of(cfg: TrainConfig, policy: Policy | None = None):
-    """AdamW with warmup and cosine decay, as the --optim flags say (with the policy's master
-    weights, if any); **returns** (optimizer, schedule)."""
-    o, policy = cfg.optim, policy or Policy()
-    schedule = make_lr_schedule(o.lr, total_steps=cfg.steps, warmup_steps=min(o.warmup_steps, cfg.steps - 1),
+def schedule_plan(cfg: TrainConfig, out: Path | None, step: int | None) -> dict:
+    """The run's learning-rate plan, as config.json records it: `planned_steps` (its warmup and cosine)
+    and `tails`, each `{"from", "to", "tail"}` (`extend_schedule`). A resume at `step` to --steps past the
+    plan's end adds a tail (--optim.extend; `restart`: a new plan over --steps)."""
+    fresh = {"planned_steps": cfg.steps, "tails": []}
+    saved = out / "config.json" if out is not None else None
+    if not step or saved is None or not saved.is_file() or cfg.optim.extend == "restart":
+        return fresh
+    record = json.loads(saved.read_text())
+    plan = record.get("schedule") or {"planned_steps": record["recipe"]["steps"], "tails": []}
+    end = plan["tails"][-1]["to"] if plan["tails"] else plan["planned_steps"]
+    if cfg.steps <= end:
+        return plan
+    return {**plan, "tails": [*plan["tails"], {"from": step, "to": cfg.steps, "tail": cfg.optim.extend}]}
+
+
+def schedule_of(cfg: TrainConfig, plan: dict | None = None):
+    """The learning rate of the --optim flags over `plan` (`schedule_plan`; default: --steps from step 0)."""
+    o, plan = cfg.optim, plan or {"planned_steps": cfg.steps, "tails": []}
+    total = plan["planned_steps"]
+    schedule = make_lr_schedule(o.lr, total_steps=total, warmup_steps=min(o.warmup_steps, total - 1),
                                 min_lr_ratio=o.min_lr_ratio)
+    for tail in plan["tails"]:
+        schedule = extend_schedule(schedule, start=tail["from"], end=tail["to"], final=o.lr * o.min_lr_ratio,
+                                   tail=tail["tail"])
+    return schedule
+
+
+def schedule_notes(cfg: TrainConfig, out: Path | None, step: int | None, plan: dict) -> list[str]:
+    """With --resume: one line for a tail this resume adds, one naming --optim flags changed from the run's."""
+    if not step or out is None or not (out / "config.json").is_file():
+        return []
+    notes, saved = [], json.loads((out / "config.json").read_text())
+    was = saved["recipe"].get("optim", {})
+    changed = [f"{flag_name('optim.' + k)} {getattr(cfg.optim, k)} (the run's: {was[k]})"
+               for k in ("lr", "warmup_steps", "min_lr_ratio") if k in was and was[k] != getattr(cfg.optim, k)]
+    now = schedule_of(cfg, plan)
+    if changed:
+        before = schedule_of(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **{
+            k: was[k] for k in ("lr", "warmup_steps", "min_lr_ratio") if k in was})), plan)
+        notes.append(f"changed on resume: {', '.join(changed)}; the learning rate at step {step} moves from "
+                     f"{float(before(step)):.3g} to {float(now(step)):.3g}")
+    if cfg.optim.extend == "restart" and cfg.steps > saved["recipe"]["steps"]:
+        notes.append(f"--optim.extend restart: a new warmup and cosine over {cfg.steps} steps; the learning rate "
+                     f"jumps to {float(now(step)):.3g} at step {step}")
+    elif plan["tails"] and plan["tails"][-1]["from"] == step:
+        t = plan["tails"][-1]
+        notes.append(f"--steps {t['to']} extends the run's schedule: {t['tail']} tail from {float(now(step)):.3g} "
+                     f"at step {step} to {float(now(t['to'])):.3g} at step {t['to']} (--optim.extend: cosine, "
+                     "linear, constant or restart)")
+    return notes
+
+
+def optimizer_of(cfg: TrainConfig, policy: Policy | None = None, plan: dict | None = None):
+    """AdamW with warmup and cosine decay, as the --optim flags say, over the run's `plan` (`schedule_plan`),
+    with the policy's master weights, if any; **returns** (optimizer, schedule)."""
+    o, policy = cfg.optim, policy or Policy()
+    schedule = schedule_of(cfg, plan)
     return policy.optimizer(make_optimizer(
         schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
         decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases,
@@ -221,72 +291,15 @@ def tokenizer_decodes(corpus, model_cfg: eqgpt.GPTConfig) -> bool:
     return not (corpus.pretokenized and isinstance(corpus.tokenizer, ByteTokenizer) and model_cfg.vocab_size > 256)
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "model.eqx", "summary.json", "checkpoints")
-
-
-def run_to_continue(cfg: TrainConfig) -> Path | None:
-    """With --resume, the run directory to continue (--out-dir, else the one runs/latest points at);
-    else `None`, after refusing an --out-dir or --checkpoint-dir that holds another run's files."""
-    if cfg.resume:
-        try:
-            out = Path(cfg.out_dir) if cfg.out_dir is not None else latest_run_dir("runs")
-        except FileNotFoundError as e:
-            raise ValueError(f"--resume: {e} Pass --out-dir to name the run to continue.") from None
-        ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
-        if (out / "model.eqx").is_file() and not (ckpt.is_dir() and any(ckpt.iterdir())):
-            raise ValueError(f"--resume: {out} holds a finished run without checkpoints; it cannot be continued, "
-                             "and starting it again would overwrite it: choose a new --out-dir.")
-        return out
-    if cfg.out_dir is not None and any((Path(cfg.out_dir) / f).exists() for f in RUN_FILES):
-        raise ValueError(f"--out-dir {cfg.out_dir} holds another run; add --resume to continue it, or choose "
-                         "a new directory (a run never overwrites another's outputs).")
-    if cfg.checkpoint_dir is not None and Path(cfg.checkpoint_dir).is_dir() and any(Path(cfg.checkpoint_dir).iterdir()):
-        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds another run's checkpoints; add --resume to "
-                         "continue from them, or choose an empty directory.")
-    return None
-
-
-def run_dir_of(cfg: TrainConfig) -> Path:
-    """--out-dir (created); else a fresh runs/PRESET-<time>, which runs/latest points at once it trains."""
-    if cfg.out_dir is not None:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        return Path(cfg.out_dir)
-    return fresh_run_dir("runs", cfg.model.preset, latest=False)
-
-
-def finished(cfg: TrainConfig, out: Path) -> dict | None:
-    """With --resume: the summary of a run that has finished --steps (its newest checkpoint at or
-    past them, its outputs written); `None` when there is training left to do."""
-    ckpt = Path(cfg.checkpoint_dir or out / "checkpoints")
-    summary = out / "summary.json"
-    if not (ckpt.is_dir() and summary.is_file()):
-        return None
-    done = json.loads(summary.read_text())
-    step = Checkpointer(ckpt).latest_step()
-    if step is None or step < cfg.steps or done.get("interrupted") or "stopped" in done:
-        return None
-    return {**done, "finished": True, "interrupted": False}
-
-
-def earlier_rows(out: Path, step: int) -> list[dict]:
-    """The metrics.jsonl rows before a resume at `step` (its validation at `step` is measured again);
-    the file is cut to them, so that each step is logged once across resumes."""
-    path = out / "metrics.jsonl"
-    if not distributed.is_main_process() or not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] < step or (r["step"] == step and "val_loss" not in r)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
-
-
 def model_record(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig) -> dict:
     """The model as `model_config.json` records it: the `GPTConfig` and the block factory's `module:name`."""
     return {**dataclasses.asdict(model_cfg), "block_factory": factory_path(cfg.model.block_factory())}
 
 
-def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> None:
-    """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees."""
+def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpora: list[dict],
+                     plan: dict) -> None:
+    """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees.
+    Written only once every check has passed: a refused run leaves the directory as it was."""
     if jax.process_count() > 1:  # every process must run what process 0 runs, or stop now
         distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg})
     if distributed.is_main_process():
@@ -294,41 +307,103 @@ def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) ->
         if not cfg.resume:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "config.json").write_text(json.dumps(
-            {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg)}, indent=2, default=str))
+            {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg), "corpora": corpora,
+             "schedule": plan}, indent=2, default=str))
 
 
-def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path) -> Checkpointer:
+def corpora_of(cfg: TrainConfig, out: Path, corpus, step: int) -> list[dict]:
+    """config.json's `corpora`: every corpus the run has trained on, each with the step it began at
+    (a new one after --allow-new-corpus)."""
+    saved = out / "config.json"
+    history = json.loads(saved.read_text()).get("corpora") or [] if cfg.resume and saved.is_file() else []
+    now = corpus_record(corpus.name, corpus.fingerprint)
+    if not history or history[-1].get("fingerprint") != corpus.fingerprint:
+        history.append({**now, "from_step": step if history else 0})
+    return history
+
+
+def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpus) -> Checkpointer:
     """Checkpoints every --checkpoint-every steps, and always at the end and on SIGTERM/SIGINT."""
     return Checkpointer(cfg.checkpoint_dir or out / "checkpoints", every=cfg.checkpoint_every or cfg.steps,
                         keep=cfg.checkpoint_keep, must_match=("model", "data_order"),
                         config={"model": model_cfg.architecture(), "data_order": {"seed": cfg.seed},
+                                "corpus": corpus_record(corpus.name, corpus.fingerprint),
                                 "recipe": dataclasses.asdict(cfg)})
 
 
-def starting_state(cfg: TrainConfig, checkpointer: Checkpointer, state: TrainState, log,
-                   loader=None) -> tuple[TrainState, float]:
-    """With --resume, the latest good checkpoint restored into this run's layout (any mesh, any
-    strategy), and the loader's iterator state with it; else `state`, checked to be the same on
-    every process. **Returns** it and the seconds trained before."""
+# The flag that sets each field a resume compares (eqgpt.train.resume.check_resume).
+RESUME_FLAGS = {"seed": "--seed", "mode": "--data.mode", "batch_size": "--batch-size", "seq_len": "--model.seq-len",
+                "corpus": "--data.corpus",
+                **{f"model.{f.name}": flag_name(f"model.{f.name}") for f in dataclasses.fields(ModelConfig)}}
+
+
+def resume_check(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus, log):
+    """`check(step, saved config, saved extras)`: refuses (one line naming every differing flag) a
+    checkpoint of another model, data pipeline or corpus; logs what it accepts (a moved corpus,
+    --allow-new-corpus)."""
+    model = json.loads(json.dumps(model_cfg.architecture(), default=str))  # as the checkpoint's JSON holds it
+    data = {"seed": cfg.seed, "mode": cfg.data.mode, "seq_len": model_cfg.seq_len}
+    if cfg.batch_size != "auto":
+        data["batch_size"] = cfg.batch_size
+
+    def check(step: int, saved: dict, extras: dict) -> None:
+        for note in check_resume(step, saved, extras, model=model, data=data, flags=RESUME_FLAGS,
+                                 corpus=corpus_record(corpus.name, corpus.fingerprint),
+                                 allow_new_corpus=cfg.allow_new_corpus):
+            log(note)
+    return check
+
+
+def checkpoint_dir_of(cfg: TrainConfig, out: Path) -> Path:
+    return Path(cfg.checkpoint_dir or out / "checkpoints")
+
+
+def check_newest_checkpoint(cfg: TrainConfig, out: Path, check) -> int | None:
+    """With --resume: the newest checkpoint's record checked against these flags, early (before any
+    compile); a record that cannot be read is left to `restore_run`, which falls back past it.
+    **Returns** the newest checkpoint's step (`None`: none)."""
+    ckpt = checkpoint_dir_of(cfg, out)
+    if not ckpt.is_dir():
+        return None
+    checkpointer = Checkpointer(ckpt)
+    step = checkpointer.latest_step()
+    try:
+        record = checkpointer.saved_record(step) if step is not None else None
+    except Exception:  # noqa: BLE001 - damage: restore names it and falls back
+        record = None
+    if record is not None:
+        check(step, *record)
+    return step
+
+
+def restore_run(cfg: TrainConfig, out: Path | None, state: TrainState, loader, check, log):
+    """With --resume, the latest good checkpoint that `check` accepts, restored into this run's layout
+    (any mesh, any strategy), and the loader's iterator state with it; writes nothing (but for setting
+    aside damaged checkpoints it passed over). **Returns** the `Restored`, or `None` (start at step 0)."""
     if jax.process_count() > 1:
         distributed.check_replicas_agree(state.model)
-    restored = checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh) if cfg.resume else None
+    if out is None:
+        return None
+    ckpt = checkpoint_dir_of(cfg, out)
+    checkpointer = Checkpointer(ckpt) if ckpt.is_dir() else None  # never create it here
+    restored = (checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh, check=check)
+                if checkpointer is not None else None)
     if restored is not None:
         log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
-        if loader is not None and "data" in restored.extras:
+        if "data" in restored.extras:
             loader.restore(restored.extras["data"])
-        return restored.state, float(restored.extras.get("seconds", 0.0))
-    if cfg.resume:  # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
-        traces = checkpointer.traces()
-        log(f"--resume: no complete checkpoint in {checkpointer.directory}"
-            + (f" (traces: {', '.join(traces)})" if traces else "") + "; starting at step 0")
-    return state, 0.0
+        return restored
+    # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
+    traces = checkpointer.traces() if checkpointer is not None else []
+    log(f"--resume: no complete checkpoint in {ckpt}" + (f" (traces: {', '.join(traces)})" if traces else "")
+        + "; starting at step 0")
+    return None
 
 
 def check_fault_flags(cfg: TrainConfig) -> None:
     """Refuse fault flags that cannot apply (before anything is written or compiled)."""
     Guard(cfg.max_skipped, cfg.divergence_factor, cfg.divergence_window)  # names the bad flag
-    for flag in ("strict", "allow_fresh"):
+    for flag in ("strict", "allow_fresh", "allow_new_corpus"):
         if getattr(cfg, flag) and not cfg.resume:
             raise ValueError(f"--{flag.replace('_', '-')} applies to --resume only; add --resume or drop it.")
 
@@ -346,6 +421,9 @@ def check_run_flags(cfg: TrainConfig) -> None:
     check_numbers(cfg)
     for name in ("out_dir", "checkpoint_dir"):
         path = getattr(cfg, name)
+        if path is not None and str(path) in ("", "."):  # '' parses as '.': an unset shell variable, most likely
+            raise ValueError(f"--{name.replace('_', '-')} is empty (or '.'): it would write the run into the current "
+                             "directory; name a directory (an unset shell variable?), or leave the flag out.")
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
     check_writable(cfg.out_dir or "runs", "--out-dir")
@@ -380,8 +458,9 @@ def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok)
             for i, p in enumerate(cfg.sample_prompts)]
 
 
-def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float) -> dict:
-    """Save the model, plot, sample and summarise; **returns** the summary."""
+def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float, leave) -> dict:
+    """Save the model, plot, sample and summarise; **returns** the summary. A run stopped by SIGTERM
+    leaves at once: its checkpoint, or (a new run that completed no step) nothing (`leave`)."""
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
     if trainer.fault is not None:  # non-finite or diverged: the last good state is saved; nothing to export
@@ -392,10 +471,11 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
         return summary
     if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
         summary["seconds"] = trainer.seconds_before + time.perf_counter() - t0
-        if is_main:
+        if is_main and committed_steps(checkpoint_dir_of(cfg, out)):
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            print(f"stopped at step {summary['steps']} by SIGTERM; rerun with --resume to continue "
-                  f"(exit status {PREEMPTED_EXIT_CODE})", flush=True)
+        if is_main:
+            print(f"stopped at step {summary['steps']} by SIGTERM (exit status {PREEMPTED_EXIT_CODE}). {leave()}",
+                  flush=True)
         return summary
     # from host memory if offloaded
     state = eqx.tree_at(lambda s: s.model, state, trainer.placement.on_device(state.model))
@@ -448,6 +528,8 @@ def use_compile_cache(cfg: TrainConfig) -> Path | None:
 def start_jax(cfg: TrainConfig) -> Path | None:
     """What must precede the first use of a JAX backend (XLA's flags, the CPU device count, the
     compilation cache), then the multi-process start-up; **returns** the cache directory or `None`."""
+    if not cfg.verbose:  # the step donates the whole batch too; its int32 buffers cannot alias any output
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable", category=UserWarning)
     cfg.parallel.before_backend()  # XLA reads its flags when the backend starts (--overlap)
     if cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
@@ -456,9 +538,9 @@ def start_jax(cfg: TrainConfig) -> Path | None:
     return compile_cache
 
 
-def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_model):
+def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_model, plan: dict | None = None):
     """The freshly initialised `TrainState` in the strategy's layout; **returns** it, the optimizer, the schedule."""
-    optimizer, schedule = optimizer_of(cfg, policy)
+    optimizer, schedule = optimizer_of(cfg, policy, plan)
     key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
     model = strategy.init_model(make_model, key_model)
     state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
@@ -488,14 +570,82 @@ def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, m
     return dataclasses.replace(cfg, batch_size=batch), compiled
 
 
+def check_memory(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, strategy: Strategy, policy: Policy) -> None:
+    """Before the first compile: refuse a step whose predicted bytes per device (`eqgpt.profile.estimate`)
+    exceed the memory it has: a CPU's RAM shared by its devices, or (by more than half again: the compiled
+    step's check is exact there) an accelerator's. Names the flags that shrink it."""
+    if cfg.batch_size == "auto":  # found by compiling, within the device's memory
+        return
+    from eqgpt.profile import estimate
+    from eqgpt.train.fit import GIB, device_memory
+
+    limit, margin, where = device_memory(), 1.5, "the device's memory"
+    if limit is None:
+        import os
+
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(jax.local_devices())
+        margin, where = 1.0, "this machine's memory" + (" per CPU device" if len(jax.local_devices()) > 1 else "")
+    predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy,
+                         scores=kernel_name(model_cfg, policy) == "reference").total
+    if predicted > margin * limit:
+        raise ValueError(
+            f"--model.seq-len {model_cfg.seq_len} --batch-size {cfg.batch_size}: the step is predicted to need "
+            f"{predicted / GIB:.1f} GiB per device (eqgpt.profile.estimate), above the {limit / GIB:.1f} GiB of "
+            f"{where}; lower --model.seq-len or --batch-size, or add --accum-steps N or --model.remat full.")
+
+
+def kernel_name(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
+    """The attention kernel the model runs ('auto' resolved for this backend and length)."""
+    if model_cfg.attention_kernel != "auto":
+        return model_cfg.attention_kernel
+    mask = make_mask(model_cfg.mask, model_cfg.window)
+    return auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
+
+
 def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
     """Which attention kernel the model runs, e.g. 'attention auto -> splash'."""
-    name = model_cfg.attention_kernel
-    if name != "auto":
-        return f"attention {name}"
-    mask = make_mask(model_cfg.mask, model_cfg.window)
-    chosen = auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
-    return f"attention auto -> {chosen} ({jax.default_backend()})"
+    if model_cfg.attention_kernel != "auto":
+        return f"attention {model_cfg.attention_kernel}"
+    return f"attention auto -> {kernel_name(model_cfg, policy)} ({jax.default_backend()})"
+
+
+def corpus_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig):
+    """The --data corpus, checked (its prompts encodable); **returns** it and `model_cfg` with its vocabulary."""
+    corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
+                         min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
+                         tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
+    model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
+    check_prompts(cfg, corpus.tokenizer)
+    if cfg.data.mode == "packed" and corpus.train_docs is None:
+        raise ValueError(f"--data.mode packed needs document boundaries, which {cfg.data.corpus} lacks: put "
+                         "NAME.docs.npy ([0, end_0, ..., n_tokens]) beside the token file, or use --data.mode windows.")
+    return corpus, model_cfg
+
+
+def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Policy, model_like, model_cfg, state,
+                  compiled):
+    """The training step: compiled once for `windows` batches (`compiled`, from `fit_batch`, when it has one),
+    jitted otherwise. Under jit the step would compile again at step 2, as the state it returns spells its
+    shardings differently from the placed one."""
+    step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
+                              z_loss=cfg.z_loss, model_like=model_like)
+    if cfg.data.mode != "windows" or cfg.report or cfg.estimate:
+        return step_fn
+    windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
+    return compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+
+
+def trainer_settings(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig, out: Path) -> dict:
+    """The `Trainer`'s validation windows and `TrainerConfig` from the flags."""
+    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
+           if cfg.eval_windows else None)
+    config = TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
+                           progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
+                           max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
+                           divergence_window=cfg.divergence_window,
+                           bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg)
+                           else bytes_per_token(corpus.tokenizer, val[:, 1:]))
+    return {"val_windows": val, "config": config}
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -504,60 +654,60 @@ def main(cfg: TrainConfig) -> dict:
     check_run_flags(cfg)  # before start-up: an error is the only output, not mixed with the backend's
     compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
-    resumed = run_to_continue(cfg)
-    if resumed is not None and (done := finished(cfg, resumed)) is not None:
+    resumed = run_to_continue(cfg.out_dir, cfg.checkpoint_dir, resume=cfg.resume)
+    if resumed is not None and (done := finished(resumed, cfg.checkpoint_dir, cfg.steps)) is not None:
         log(f"run {resumed} has finished its {done['steps']} steps; nothing to do, nothing changed "
             f"(--steps N above {done['steps']} trains on)")
         return done
     model_cfg, block_factory = cfg.model.build(), cfg.model.block_factory()
     cfg.model.check_kernel(model_cfg)
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
-    corpus = load_corpus(cfg.data.corpus, cache_dir=cfg.data.cache_dir, val_percent=cfg.data.val_percent,
-                         min_tokens=model_cfg.seq_len + 1, vocab_size=cfg.model.vocab_size,
-                         tokenizer=cfg.data.tokenizer, progress=cfg.progress and distributed.is_main_process())
-    model_cfg = model_cfg.replace(vocab_size=vocab_size_of(cfg, model_cfg, corpus))
-    check_prompts(cfg, corpus.tokenizer)
+    corpus, model_cfg = corpus_of(cfg, model_cfg)
+    newest = (None if resumed is None  # the checkpoint's model, data and corpus against these flags, before compiling
+              else check_newest_checkpoint(cfg, resumed, resume_check(cfg, model_cfg, corpus, lambda msg: None)))
+    plan = schedule_plan(cfg, resumed, newest)
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k, block_factory=block_factory))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     if cfg.batch_size != "auto":
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
-    state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
-    cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # before any file
-    out = resumed or run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
-    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
-    write_run_config(cfg, model_cfg, out)
-    checkpointer = make_checkpointer(cfg, model_cfg, out)
+    check_memory(cfg, model_cfg, strategy, policy)  # before the first compile
+    state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model, plan)
+    cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch),
                          docs=corpus.train_docs)
-    state, seconds = starting_state(cfg, checkpointer, state, log, loader)
-    step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
-                              z_loss=cfg.z_loss, model_like=model_like)
-    if cfg.data.mode == "windows" and not (cfg.report or cfg.estimate):  # one compile: under jit the step would
-        # compile again at step 2, as the state it returns spells its shardings differently from the placed one
-        windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
-        step_fn = compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+    restored = restore_run(cfg, resumed, state, loader, resume_check(cfg, model_cfg, corpus, log), log)
+    state, seconds = (state, 0.0) if restored is None else (restored.state, float(restored.extras.get("seconds", 0)))
+    step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
+    # Every check has passed: only now is anything written (a refused run leaves no file and no directory).
+    out, leave, forget = open_run(cfg, resumed)
+    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
+    for note in schedule_notes(cfg, resumed, int(state.step), plan):
+        log(note)
+    write_run_config(cfg, model_cfg, out, corpora_of(cfg, out, corpus, int(state.step)), plan)
+    checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))
-    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
-           if cfg.eval_windows else None)
-    trainer = Trainer(
-        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
-        val_windows=val,
-        config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
-                             progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
-                             max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
-                             divergence_window=cfg.divergence_window,
-                             bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg)
-                             else bytes_per_token(corpus.tokenizer, val[:, 1:])),
-        flops_per_token=flops_per_token(model_cfg), peak_flops=peak,
-    )
+    trainer = Trainer(step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
+                      **trainer_settings(cfg, corpus, model_cfg, out), flops_per_token=flops_per_token(model_cfg),
+                      peak_flops=peak)
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
-    if resumed is None and cfg.out_dir is None:
-        point_latest(out)  # runs/latest: only a run that trains
-    return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
+    try:
+        return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0, leave)
+    finally:
+        forget()  # this run's note for a forced exit
+
+
+def open_run(cfg: TrainConfig, resumed: Path | None):
+    """The run directory (a new one made now, and runs/latest pointed at it when it lies in runs/);
+    `leave()`: what a stop leaves (`eqgpt.train.run_dir.leave_run`), also said by a forced exit; and the
+    function that withdraws it from forced exits."""
+    out = resumed or new_run_dir(cfg.out_dir, cfg.model.preset)
+    before = point_latest(out) if resumed is None and under_root(out) else None  # runs/latest: the newest run
+    leave = lambda: leave_run(out, checkpoint_dir_of(cfg, out), new=resumed is None, latest_before=before)  # noqa: E731
+    return out, leave, at_forced_exit(leave)
 
 
 def model_line(cfg: TrainConfig, model_cfg, model_like, policy, corpus, strategy: Strategy, peak: str) -> str:
@@ -608,27 +758,39 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
     """The command line; with --resume, flags left out default to the continued run's (its config.json).
     Every --import is imported first, so that its kernels, blocks and presets are names the flags accept."""
     import_modules(imports_in(sys.argv[1:] if args is None else args))
-    cfg = tyro.cli(TrainConfig, args=args)
+    cfg = parse_cli(TrainConfig, args=args)
     if not cfg.resume:
         return cfg
     try:
-        saved = run_to_continue(cfg) / "config.json"
+        saved = run_to_continue(cfg.out_dir, cfg.checkpoint_dir, resume=True) / "config.json"
     except ValueError:
         return cfg  # main says why
     if not saved.is_file():
         return cfg
-    cfg = tyro.cli(TrainConfig, args=args,
-                   default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
+    try:
+        recipe = json.loads(saved.read_text())["recipe"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--resume: {saved} is not a run's config.json (it holds no 'recipe'); name the run's "
+                         "directory with --out-dir.") from None
+    cfg = parse_cli(TrainConfig, args=args, default=config_from_json(TrainConfig, recipe))
     import_modules(cfg.imports)  # the continued run's own
     return cfg
 
 
 def run(args: list[str] | None = None) -> None:
-    """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status 1."""
+    """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status
+    `USER_ERROR_EXIT_CODE` (1), as in `eqgpt-sample` and `python -m eqgpt.interop`."""
     restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
-    summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
+    try:
+        with StopSignal(immediate=True):  # SIGTERM/Ctrl-C before training: leave at once (a trainer takes over)
+            summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
+    except Stopped as e:  # outside the training loop: before it (nothing written yet) or after it
+        forced_exit(f"stopped by {e} (exit status {PREEMPTED_EXIT_CODE}).")
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
 
+
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "check_run_flags", "main", "parse_flags", "run",
+           "strategy_of", "use_compile_cache"]
 
 if __name__ == "__main__":
     run()

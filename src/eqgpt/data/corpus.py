@@ -61,6 +61,7 @@ class Corpus:
     tokenizer: Tokenizer = ByteTokenizer()  # what made (and decodes) the tokens
     pretokenized: bool = False  # ids read from a token file or a nanoGPT folder, not tokenized here
     notes: tuple[str, ...] = ()  # what loading skipped, for the user to read
+    fingerprint: str = ""  # of the token arrays (`token_fingerprint`): what a resume checks it trains on
 
 
 def default_cache_dir() -> Path:
@@ -111,6 +112,9 @@ def scan_text_files(source: str | Path) -> tuple[Path, list[Path], tuple[str, ..
                 "'data/**/*.txt', a .bin/.npy token file, a nanoGPT data folder, or 'stdlib'."
             )
         if path.is_file():
+            if is_binary(path):  # the rule directories apply to their files
+                raise ValueError(f"corpus file {s!r} is binary (a NUL byte in its first 8 KiB), not text: pass a "
+                                 "text file, a .bin (uint16) or .npy token file, or a nanoGPT data folder.")
             return path.parent, [path], ()
         found, hidden_dirs, hidden_files = _walk(path)
         if not found and not hidden_dirs and not hidden_files:
@@ -172,6 +176,25 @@ def _split(root: Path, files: list[Path], val_percent: float) -> tuple[list[Path
 
 def _fingerprint(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+_WHOLE = 1 << 25  # token arrays up to this many ids are hashed whole; longer ones by 1024 evenly spaced blocks
+_BLOCK = 1 << 14
+
+
+def token_fingerprint(*arrays: np.ndarray) -> str:
+    """A short hash of token arrays: their lengths, dtypes and ids (every id up to 32M ids per array; beyond,
+    1024 evenly spaced blocks of 16K ids, 32 MiB read at most). The same ids give the same fingerprint
+    wherever the files lie; another corpus, tokenizer or validation share gives another."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        h.update(f"{len(a)}:{a.dtype.str};".encode())
+        if len(a) <= _WHOLE:
+            h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+            continue
+        for start in np.linspace(0, len(a) - _BLOCK, 1024).astype(np.int64):
+            h.update(memoryview(np.ascontiguousarray(a[start : start + _BLOCK])).cast("B"))
+    return h.hexdigest()
 
 
 def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progress: str | None = None) -> None:
@@ -244,8 +267,12 @@ def _split_docs(bounds: np.ndarray | None, n_train: int, n: int) -> tuple[np.nda
 
 
 def _memmap(path: Path) -> np.ndarray:
-    if path.stat().st_size == 0:
+    size = path.stat().st_size
+    if size == 0:
         return np.zeros((0,), np.uint16)
+    if size % 2:
+        raise ValueError(f"{path} holds {size:,} bytes, an odd number: a .bin token file is uint16 ids (2 bytes "
+                         "each); write it with np.asarray(ids, np.uint16).tofile(path), or save a .npy.")
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
@@ -298,7 +325,11 @@ def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer, progre
         else tokenizer.fingerprint
     key = _fingerprint([str(root), stats, val_percent, spec] + (["tail"] if len(files) == 1 else []))
     cache = Path(cache_dir).expanduser() / f"{Path(name).name or 'corpus'}-{key}"
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write the token cache in {cache_dir} ({e.strerror or e}); set --data.cache-dir "
+                         "(or EQGPT_CACHE) to a directory you can write to.") from None
     tokenizer = _corpus_tokenizer(tokenizer, cache, train_files, progress)
     arrays, docs = {}, {}
     for split, split_files in (("train", train_files), ("val", val_files)):
@@ -541,4 +572,4 @@ def load_corpus(
         n = len(getattr(corpus, split))
         if n < min_tokens:
             raise _too_small(corpus, source, split, n, min_tokens, val_percent)
-    return corpus
+    return dataclasses.replace(corpus, fingerprint=token_fingerprint(corpus.train, corpus.val))

@@ -124,9 +124,27 @@ def import_hf(source: str | Path, to: str | Path) -> Path:
     return path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are a `ValueError` (one line, the shared exit status), not usage + exit 2."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (python -m eqgpt.interop {{export,import}} --help lists the flags)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eqgpt.interop", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    """`python -m eqgpt.interop`; **returns** the exit status: 0, or `USER_ERROR_EXIT_CODE` after one line."""
+    from eqgpt.cli import USER_ERROR_EXIT_CODE, one_line
+
+    try:
+        return _main(argv)
+    except (ValueError, OSError) as e:  # a user error (a missing run, an existing --to file): one line
+        print(one_line(e, sys.argv[1:] if argv is None else argv), file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _Parser(prog="python -m eqgpt.interop", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ex = sub.add_parser("export", help="a training run -> a Hugging Face directory")
     ex.add_argument("--run", required=True, type=Path, help="the run's --out-dir")
     ex.add_argument("--to", required=True, type=Path, help="output directory")
@@ -142,16 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     im.add_argument("--from", dest="source", required=True, type=Path, help="config.json + model.safetensors")
     im.add_argument("--to", required=True, type=Path, help="output run directory")
     args = parser.parse_args(argv)
-    try:
-        if args.command == "export":
-            import_modules(args.imports)
-            path = export_run(args.run, args.to, step=args.step, checkpoint_dir=args.checkpoint_dir,
-                              family=None if args.format == "auto" else args.format, block_factory=args.block)
-        else:
-            path = import_hf(args.source, args.to)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "export":
+        import_modules(args.imports)
+        path = export_run(args.run, args.to, step=args.step, checkpoint_dir=args.checkpoint_dir,
+                          family=None if args.format == "auto" else args.format, block_factory=args.block)
+    else:
+        path = import_hf(args.source, args.to)
     print(f"wrote {path}")
     return 0
 

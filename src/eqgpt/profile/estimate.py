@@ -177,6 +177,7 @@ def estimate(
     seq: int | None = None,
     policy: Any = None,
     remat: str | None = None,
+    scores: bool = True,
 ) -> Estimate:
     """Bytes per device of one training step with AdamW, from shapes alone (nothing compiles).
 
@@ -191,6 +192,8 @@ def estimate(
     - `policy`: an `eqgpt.train.Policy` (default fp32 everywhere).
     - `remat`: `"none" | "full" | "dots"` (default `config.remat`; other policies
       count as `"dots"`).
+    - `scores`: whether attention materialises `[T, T]` scores (the reference kernel);
+      `False` for kernels that work in blocks (blockwise, flash, splash): no `H x T` term.
 
     **Returns:** an `Estimate` (`params`, `opt_state`, `batch`, `grads`,
     `activations`; `arguments`, `temporaries`; `.table(compiled)` to print it next
@@ -236,9 +239,11 @@ def estimate(
     sp = strategy.sequence_parallel if mesh is not None else False
     d_saved = d / tp if sp else d
     sd, sf, ss = REMAT_SAVED.get(remat, REMAT_SAVED["dots"])
+    work_s = WORK_S if scores else 0
+    ss = ss if scores else 0
     per_layer = sd * d_saved + sf * f + ss * h * seq
     saved = layers * in_flight * tokens * per_layer
-    working = tokens * (WORK_D * d + WORK_F * f + WORK_S * h * seq) + rows * min(128, seq) / ctx * WORK_V * v
+    working = tokens * (WORK_D * d + WORK_F * f + work_s * h * seq) + rows * min(128, seq) / ctx * WORK_V * v
     if pipeline is not None:
         # The executor keeps only each in-flight microbatch's stage input and recomputes the
         # chunk inside its backward branch: there one microbatch's chunk residuals and their

@@ -376,7 +376,13 @@ class Checkpointer:
             )
         return saved
 
-    def _restore_one(self, step: int, target: PyTree) -> Restored:
+    def saved_record(self, step: int) -> tuple[dict, dict]:
+        """The configuration and the extras (data position, ...) saved with checkpoint `step`, read
+        without its arrays: what a resume checks before it restores. **Raises** on a damaged record."""
+        config, meta = self._read_json(step)
+        return dict(config), dict(meta.get("extras", {}))
+
+    def _restore_one(self, step: int, target: PyTree, check=None) -> Restored:
         leaves = named_leaves(target)
         targets = {n: restore_target(x) for n, x in leaves.items() if is_array(x)}
         sealed = verify_files(self.directory / str(step))  # names a missing, truncated or altered file;
@@ -384,6 +390,8 @@ class Checkpointer:
         config, meta = self._read_json(step)
         if meta.get("format") == FORMAT and not sealed:
             raise CorruptCheckpointError(f"{MANIFEST} is missing (every {FORMAT} checkpoint has one)")
+        if check is not None:
+            check(step, dict(config), dict(meta.get("extras", {})))
         self._check_config(step, config)
         saved = self._check_layout(step, targets)
         got = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
@@ -421,7 +429,7 @@ class Checkpointer:
         return [*self.interrupted_writes, *corrupt]
 
     def restore(self, target: PyTree, step: int | None = None, *, strict: bool = False,
-                allow_fresh: bool = False) -> Restored | None:
+                allow_fresh: bool = False, check=None) -> Restored | None:
         """Restore a checkpoint into the structure and shardings of `target`.
 
         With `step=None` the newest committed checkpoint is tried first; a damaged
@@ -442,6 +450,9 @@ class Checkpointer:
         - `allow_fresh`: return `None` even when the directory holds no complete checkpoint but
           `traces()` of earlier ones (a run killed in its first save); by default that raises
           `CheckpointError`, so that a resume never starts over unasked.
+        - `check`: `check(step, config, extras)`, called with each candidate's saved record before its
+          arrays are read; an `IncompatibleCheckpointError` it raises refuses the restore at once,
+          before any damaged checkpoint is set aside (nothing on disk changes).
 
         **Returns:** a `Restored`, or `None` when the directory holds no checkpoint.
         Raises `CorruptCheckpointError` when every candidate is damaged (or, with
@@ -469,7 +480,7 @@ class Checkpointer:
         for i, s in enumerate(candidates):
             error: Exception | None = None
             try:
-                result = self._restore_one(s, target)
+                result = self._restore_one(s, target, check)
             except IncompatibleCheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure to read is damage

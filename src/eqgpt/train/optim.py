@@ -1,4 +1,5 @@
-"""AdamW with linear warmup and cosine decay, a decay mask, and global-norm clipping.
+"""AdamW with linear warmup and cosine decay (extended without a jump when a run trains past its
+end), a decay mask, and global-norm clipping.
 
 The weight-decay mask comes from the module structure: `Linear` weights decay;
 biases, norm scales and embedding tables do not (unless asked). Arrays of other
@@ -92,6 +93,36 @@ def make_lr_schedule(
         init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
         decay_steps=total_steps, end_value=lr * min_lr_ratio,
     )
+
+
+TAILS = ("cosine", "linear", "constant")  # how `extend_schedule` continues a schedule past its end
+
+
+def extend_schedule(schedule: optax.Schedule, *, start: int, end: int, final: float,
+                    tail: str = "cosine") -> optax.Schedule:
+    """`schedule` before step `start`; from `start` to `end`, a `tail` from its rate at `start`, so the rate
+    never jumps: `"cosine"` (half a cosine down to `final` at `end`), `"linear"` (a line down to `final`),
+    `"constant"` (the rate at `start` throughout). After `end`: the tail's last rate.
+
+    What a resumed run that trains past its schedule's end follows (`--resume --steps N`, `--optim.extend`).
+    """
+    if tail not in TAILS:
+        raise ValueError(f"schedule tail must be one of {', '.join(TAILS)}, got {tail!r}.")
+    if end <= start:
+        raise ValueError(f"a schedule tail must end after it starts, got start={start}, end={end}.")
+    rate = float(schedule(start))
+
+    def extended(count):
+        t = jnp.clip((count - start) / (end - start), 0.0, 1.0)
+        if tail == "cosine":
+            new = final + (rate - final) * 0.5 * (1 + jnp.cos(jnp.pi * t))
+        elif tail == "linear":
+            new = rate + (final - rate) * t
+        else:
+            new = jnp.full_like(t, rate)
+        return jnp.where(count < start, schedule(count), new)
+
+    return extended
 
 
 def make_optimizer(

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 
 import jax
 
@@ -26,20 +28,72 @@ import jax
 # EX_TEMPFAIL ("try again later"). Distinct from crashes (1) and from being killed
 # by a signal (128 + n), so a scheduler or wrapper can requeue exactly these runs.
 PREEMPTED_EXIT_CODE = 75
+INTERRUPTED_EXIT_CODE = 130  # a second Ctrl-C: stopped at once, without a checkpoint (128 + SIGINT)
+STOP_GRACE_S = 10.0  # seconds a stop request waits for the loop to take it before the process exits
+
+
+class Stopped(BaseException):  # noqa: N818 - not an error: the run was asked to stop
+    """Raised by a `StopSignal(immediate=True)` handler: a stop before training began."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_FORCED_EXIT_HOOKS: list[Callable[[], str | None]] = []
+
+
+def at_forced_exit(hook: Callable[[], str | None]) -> Callable[[], None]:
+    """Run `hook()` before a stop that cannot wait exits the process (its returned text is printed);
+    **returns** a function that removes it. A recipe says there which checkpoint is left, or removes a
+    run directory that no step reached."""
+    _FORCED_EXIT_HOOKS.append(hook)
+    return lambda: _FORCED_EXIT_HOOKS.remove(hook) if hook in _FORCED_EXIT_HOOKS else None
+
+
+def forced_exit(why: str, code: int = PREEMPTED_EXIT_CODE) -> None:
+    """Print `why` and what the hooks say on one line, then leave at once (`os._exit`: no traceback, no
+    waiting for the compile, step or validation the main thread is inside)."""
+    notes = []
+    for hook in list(_FORCED_EXIT_HOOKS):
+        try:
+            notes.append(hook())
+        except Exception as e:  # noqa: BLE001 - leaving anyway; say what failed
+            notes.append(f"({type(e).__name__}: {e})")
+    print(" ".join([why, *filter(None, notes)]), flush=True)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _grace() -> float:
+    return float(os.environ.get("EQGPT_STOP_GRACE_S", STOP_GRACE_S))
 
 
 class StopSignal:
     """Catches SIGTERM and SIGINT while active (a context manager) and reports them per step.
 
-    A second SIGINT in a single process raises `KeyboardInterrupt` (stop now,
-    without a checkpoint). Outside the main thread no handlers are installed and
-    only `request()` stops the loop.
+    A second SIGINT in a single process stops at once, without a checkpoint, with one line and
+    exit status 130 (never a traceback). A stop the loop has not taken within `STOP_GRACE_S`
+    seconds (`EQGPT_STOP_GRACE_S`), because the main thread is inside a long compile, step or
+    validation that Python cannot interrupt, ends the process from a watcher thread
+    (`forced_exit`, status 75). With `immediate`, a signal raises `Stopped` in the main thread as soon
+    as Python runs (a recipe's start-up, before training). Outside the main thread no handlers are
+    installed and only `request()` stops the loop.
     """
 
-    def __init__(self):
+    def __init__(self, *, immediate: bool = False):
         self._requested = threading.Event()
+        self._taken = threading.Event()
         self.signal: int | None = None
+        self.immediate = immediate
         self._old: dict[int, object] = {}
+        self._wakeup: tuple[int, int] | None = None
+        self._old_wakeup = -1
+
+    @property
+    def requested(self) -> bool:
+        """Whether a stop was asked for (a validation in progress gives up between its batches)."""
+        return self._requested.is_set()
 
     @property
     def multi_process(self) -> bool:
@@ -52,8 +106,28 @@ class StopSignal:
 
     def _single(self, signum, _frame):
         if self._requested.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            forced_exit("second Ctrl-C: stopped at once, without a checkpoint.", INTERRUPTED_EXIT_CODE)
         self.request(signum)
+        if self.immediate:
+            self._taken.set()
+            raise Stopped(signum)
+
+    def _watch(self, read_fd: int) -> None:
+        """The watcher thread: woken by the C-level handler through the wakeup fd, even while the main
+        thread is inside XLA; gives the loop `_grace()` seconds to take the stop, then `forced_exit`."""
+        try:
+            while data := os.read(read_fd, 64):
+                if not any(b in (signal.SIGTERM, signal.SIGINT) for b in data):
+                    continue
+                if self._taken.wait(_grace()) or self._wakeup is None:
+                    return
+                name = signal.Signals(self.signal or data[0]).name
+                forced_exit(f"stopped by {name}: the run was inside a compile, step or validation that did not "
+                            f"end within {_grace():.0f} s.")
+        except OSError:
+            return
+        finally:
+            os.close(read_fd)
 
     def _to_sync_manager(self, signum, _frame):
         self.request(signum)
@@ -68,12 +142,23 @@ class StopSignal:
         else:
             for s in (signal.SIGTERM, signal.SIGINT):
                 self._old[s] = signal.signal(s, self._single)
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            self._wakeup = (read_fd, write_fd)
+            self._old_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="eqgpt-stop-watch").start()
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._old.items():
             signal.signal(s, handler)
         self._old.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            read_fd, write_fd = self._wakeup
+            self._wakeup = None
+            os.close(write_fd)  # the watcher reads end-of-file and returns
+            self._taken.set()
 
     def should_stop(self, step: int) -> bool:
         """Whether to stop after `step`; call once per step in every process (the same steps).
@@ -83,6 +168,8 @@ class StopSignal:
         **Returns:** `True` at the same step in every process once any of them got a stop signal.
         """
         if not self.multi_process:
+            if self._requested.is_set():
+                self._taken.set()
             return self._requested.is_set()
         from jax.experimental import multihost_utils
 
@@ -95,4 +182,5 @@ class StopSignal:
         return reached
 
 
-__all__ = ["StopSignal", "PREEMPTED_EXIT_CODE"]
+__all__ = ["StopSignal", "Stopped", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE", "STOP_GRACE_S", "at_forced_exit",
+           "forced_exit"]

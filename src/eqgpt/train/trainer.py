@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,9 +116,9 @@ def eval_batches(windows: np.ndarray, batch_size: int, divisor: int) -> list[tup
 
 class _Progress:
     def __init__(self, total: int, start: int, enabled: bool, quiet: bool = False):
-        self.bar = None
+        self.bar, self.total = None, total
         self.quiet = quiet  # processes other than 0 print nothing
-        if enabled:
+        if enabled and sys.stdout.isatty():  # a file or pipe gets lines (`update`), not a bar's redraws
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -133,10 +135,13 @@ class _Progress:
             self.task = self.bar.add_task("train", total=total, completed=start, info="compiling...")
             self.bar.start()
 
-    def update(self, step: int, info: str | None = None):
+    def update(self, step: int, info: str | None = None, eta: float | None = None):
         if self.bar is not None:
             kw = {} if info is None else {"info": info}
             self.bar.update(self.task, completed=step, **kw)
+        elif info is not None and not self.quiet:  # no bar (--no-progress, or stdout not a terminal): a line
+            left = "" if eta is None else f" | eta {int(eta // 60)}m{int(eta % 60):02d}s"
+            print(f"step {step}/{self.total}: {info}{left}", flush=True)
 
     def print(self, msg: str):
         if self.quiet:
@@ -222,11 +227,18 @@ class Trainer:
         if self.writer is not None and config.bytes_per_token:
             self.writer.bytes_per_token = config.bytes_per_token
 
-    def validate(self, model: PyTree) -> float | None:
-        """Mean loss over the validation windows (nats/token), or `None` without them."""
+    def validate(self, model: PyTree, stop: StopSignal | None = None) -> float | None:
+        """Mean loss over the validation windows (nats/token), or `None` without them or when `stop` is
+        requested before the last batch (a stop never waits for a whole validation)."""
         if self._val is None:
             return None
-        losses = [self.eval_fn(model, self.placement.batch(b)) for b, _ in self._val]
+        losses = []
+        for b, _ in self._val:
+            if stop is not None and stop.requested:
+                return None
+            losses.append(self.eval_fn(model, self.placement.batch(b)))
+            if stop is not None:
+                jax.block_until_ready(losses[-1])  # so that a stop is seen between batches
         weights = [n for _, n in self._val]
         return float(np.average(jax.device_get(losses), weights=weights))
 
@@ -255,11 +267,11 @@ class Trainer:
         profile = self._profile_window()
         try:
             with StopSignal() as flag:
-                val = self.validate(self.state.model)
+                val = self.validate(self.state.model, flag)
                 if val is not None:
                     self._log({"step": start, "val_loss": val, **self._bpb(val), "time": 0.0})
                     bar.print(f"step {start}: val loss {val:.3f}")
-                step, stop = start, False
+                step, stop = start, flag.should_stop(start)
                 good = None  # with the divergence stop: the state entering the first divergent step
                 while step < cfg.steps and not stop:
                     batch = self.placement.batch(self.loader.local_batch(step))
@@ -286,7 +298,7 @@ class Trainer:
                     if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1:
                         pending = (step, metrics)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                        self._eval_row(step, bar, t_begin)
+                        self._eval_row(step, bar, t_begin, flag)
                     if step < cfg.steps:  # the last step's save comes after its row is logged (below)
                         self._checkpoint(step)
                     stop = flag.should_stop(step)  # every process, every step: they stop together
@@ -295,7 +307,7 @@ class Trainer:
                 if self.fault is not None:
                     self._stop_on_fault(self.fault, good, bar)
                     return self.state
-                self._finish(step, stop, flag.signal if stop else None, bar, t_begin)
+                self._finish(start, step, stop, flag.signal if stop else None, bar, t_begin)
         finally:
             self._close(profile, bar)
         return self.state
@@ -310,16 +322,19 @@ class Trainer:
         out = cfg.profile_dir or (Path(cfg.out_dir) / "profile" if cfg.out_dir is not None else Path("profile"))
         return ProfileWindow(*cfg.profile_steps, out)
 
-    def _finish(self, step: int, stop: bool, signal: Any, bar: _Progress, t_begin: float) -> None:
+    def _finish(self, start: int, step: int, stop: bool, sig: Any, bar: _Progress, t_begin: float) -> None:
         """After the last step (or a clean stop): the final checkpoint and the last evaluation."""
         cfg = self.config
         self.interrupted = stop
-        self.stop_signal = signal
-        self._checkpoint(step, force=True)  # the final (or preempted) state
+        self.stop_signal = sig
+        if not (stop and step == start):  # a stop before any step has nothing new to save
+            self._checkpoint(step, force=True)  # the final (or preempted) state
         if stop:
-            saved = f"; checkpoint {step} written" if self.checkpointer is not None else ""
+            saved = (f"; checkpoint {step} written" if self.checkpointer is not None and step > start
+                     else "; no step completed, nothing new to save" if step == start else "")
             bar.print(f"interrupted: stopped cleanly after step {step}{saved}")
-        if not cfg.eval_every or step % cfg.eval_every or step == cfg.steps:
+        if (not cfg.eval_every or step % cfg.eval_every or step == cfg.steps) and not (
+                stop and sig == signal.SIGTERM):  # SIGTERM leaves at once; Ctrl-C validates
             self._eval_row(step, bar, t_begin)
 
     def _close(self, profile: Any, bar: _Progress) -> None:
@@ -363,8 +378,8 @@ class Trainer:
         """Training time so far, earlier sessions of a resumed run included."""
         return self.seconds_before + time.perf_counter() - self._t_begin
 
-    def _eval_row(self, step: int, bar: _Progress, t_begin: float):
-        val = self.validate(self.state.model)
+    def _eval_row(self, step: int, bar: _Progress, t_begin: float, stop: StopSignal | None = None):
+        val = self.validate(self.state.model, stop)
         if val is not None:
             self._log({"step": step, "val_loss": val, **self._bpb(val), "time": time.perf_counter() - t_begin})
             bar.print(f"step {step}: val loss {val:.3f}")
@@ -391,7 +406,8 @@ class Trainer:
                 row["mfu"] = tps * self.flops_per_token / self.peak_flops
                 info += f" | MFU {row['mfu']:.1%}"
         self._log(row)
-        bar.update(step, info)
+        eta = (self.config.steps - step) * tokens_per_step / row["tokens_per_s"] if "tokens_per_s" in row else None
+        bar.update(step, info, eta)
         return step, now
 
 
