@@ -244,3 +244,96 @@ def zero2_shard(replica_grads, index: int, dim: int):
     data-parallel replicas, `mean_r g_r`."""
     avg = np.mean(np.stack([np.asarray(g, np.float64) for g in replica_grads]), axis=0)
     return np.split(avg, len(replica_grads), axis=dim)[index]
+
+
+# ------------------------------------------------------------------- layers and a whole model
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    """LayerNorm (Ba et al. 2016): `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis."""
+    x = np.asarray(x, np.float64)
+    centred = x - x.mean(-1, keepdims=True)
+    y = centred / np.sqrt(np.mean(centred**2, -1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+    return y if bias is None else y + np.asarray(bias, np.float64)
+
+
+def rms_norm(x, weight, eps: float = 1e-6):
+    """RMSNorm (Zhang & Sennrich 2019): `x / sqrt(mean(x^2) + eps) * weight` over the last axis."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+
+
+def rope(x, positions, theta: float):
+    """RoPE (Su et al. 2021) in the rotate-half pairing (GPT-NeoX, Llama): `x: [b, t, h, d]`, pair
+    `i < d/2` is `(x[i], x[i + d/2])`, turned by `p * theta^(-2i/d)` at position `p`
+    (`positions`: `[t]`, or `[b, t]` per row)."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    angle = np.asarray(positions, np.float64)[..., None] * theta ** (-2.0 * np.arange(d // 2) / d)
+    angle = angle[None, :, None, :] if angle.ndim == 2 else angle[:, :, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], axis=-1)
+
+
+def silu(x):
+    """SiLU / swish (Elfwing et al. 2018): `x * sigmoid(x)`."""
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(x, gate, up, down):
+    """SwiGLU feed-forward (Shazeer 2020): `(silu(x W_gate) * (x W_up)) W_down`, weights `[in, out]`."""
+    x = np.asarray(x, np.float64)
+    g, u = x @ np.asarray(gate, np.float64), x @ np.asarray(up, np.float64)
+    return (silu(g) * u) @ np.asarray(down, np.float64)
+
+
+def gelu_mlp(x, up, up_bias, down, down_bias):
+    """GPT-2's MLP: `gelu_tanh(x W_up + b_up) W_down + b_down`."""
+    x = np.asarray(x, np.float64)
+    return gelu_tanh(x @ np.asarray(up, np.float64) + up_bias) @ np.asarray(down, np.float64) + down_bias
+
+
+def transformer_logits(p: dict, tokens, *, heads: int, kind: str, eps: float, theta: float = 10000.0,
+                       segment_ids=None, doc_positions=None, window: int | None = None):
+    """Logits `[b, t, vocab]` of a pre-norm decoder (Radford et al. 2019; Touvron et al. 2023), float64.
+
+    `kind`: "gpt2" (LayerNorm with biases, learned positions, GELU MLP, biased projections,
+    tied head) or "llama" (RMSNorm, RoPE, SwiGLU, no biases, own head). `p` holds NumPy arrays:
+    `embed [V, D]`, `pos [T, D]` (gpt2), `head [D, V]` (llama), `final_norm` (`w`, `b`), and
+    `layers`, a list of dicts `attn_norm`, `mlp_norm` (`w`, `b`), `q, k, v, o` (`w [in, out]`,
+    `b`), and `mlp` (`gate, up, down` or `up, up_b, down, down_b`). Each layer:
+    `x += attn(norm(x)); x += mlp(norm(x))`. Attention is causal (sliding with `window`), within
+    segments when `segment_ids` are given; `doc_positions` (`[b, t]`) replace `0..t-1` for the
+    position embedding / rotation.
+    """
+    tokens = np.asarray(tokens)
+    b, t = tokens.shape
+    pos = np.arange(t)
+    rot = pos if doc_positions is None else np.asarray(doc_positions)
+    mask = causal_mask(pos, pos) if window is None else sliding_window_mask(pos, pos, window)
+    mask = np.broadcast_to(mask, (b, t, t))
+    if segment_ids is not None:
+        mask = mask & document_mask(segment_ids, segment_ids)
+    gpt2 = kind == "gpt2"
+
+    def norm(x, n):
+        return layer_norm(x, n["w"], n["b"], eps) if gpt2 else rms_norm(x, n["w"], eps)
+
+    def proj(x, w):
+        return x @ w["w"] + (w["b"] if gpt2 else 0.0)
+
+    x = np.asarray(p["embed"], np.float64)[tokens]
+    if gpt2:
+        x = x + np.asarray(p["pos"], np.float64)[np.broadcast_to(rot, (b, t))]
+    for layer in p["layers"]:
+        h = norm(x, layer["attn_norm"])
+        d = x.shape[-1] // heads
+        q, k, v = (proj(h, layer[n]).reshape(b, t, -1, d) for n in "qkv")
+        if not gpt2:
+            q, k = rope(q, rot, theta), rope(k, rot, theta)
+        x = x + proj(attention(q, k, v, mask).reshape(b, t, -1), layer["o"])
+        h, m = norm(x, layer["mlp_norm"]), layer["mlp"]
+        x = x + (gelu_mlp(h, m["up"], m["up_b"], m["down"], m["down_b"]) if gpt2
+                 else swiglu(h, m["gate"], m["up"], m["down"]))
+    x = norm(x, p["final_norm"])
+    return x @ np.asarray(p["embed"], np.float64).T if gpt2 else x @ np.asarray(p["head"], np.float64)

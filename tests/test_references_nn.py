@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+import references as ref
 from eqgpt import nn
 from eqgpt.nn.rope import apply_rope
 from eqgpt.train.optim import clip_by_global_norm
@@ -29,22 +30,12 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """`[batch, seq, heads, d]` rotated pair by pair: (a, b) -> (a cos - b sin, b cos + a sin)."""
-    d = x.shape[-1]
-    freq = theta ** (-2.0 * np.arange(d // 2) / d)
-    angle = positions[:, None].astype(np.float64) * freq  # [seq, d/2]
-    cos, sin = np.cos(angle)[None, :, None, :], np.sin(angle)[None, :, None, :]
-    a, b = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-
-
 @pytest.mark.parametrize("theta", [10000.0, 500000.0])
 def test_rope_is_the_rotation_of_each_pair(theta):
     x = np.asarray(jax.random.normal(jax.random.key(0), (2, 6, 3, 16)))
     positions = np.array([0, 1, 2, 7, 30, 100])
     got = apply_rope(jnp.asarray(x), jnp.asarray(positions), theta)
-    assert_within(rel_err(got, rope(x.astype(np.float64), positions, theta)), TOL)
+    assert_within(rel_err(got, ref.rope(x, positions, theta)), TOL)
 
 
 def test_rope_at_position_one_turns_the_first_pair_by_one_radian():

@@ -1,0 +1,158 @@
+"""Whole models, SwiGLU, the GELU MLP, RMSNorm and the loss against the NumPy definitions of
+`tests/references.py`, with no `transformers` or torch: the checks the Python 3.12 leg runs
+where `tests/test_interop.py` skips.
+
+Every parameter is drawn at random (norm scales and biases too, so a dropped scale or bias
+shows), and the loss is also checked at logits of scale 1e4, where a log-sum-exp without its
+maximum subtracted overflows fp32. fp32 against float64: the measured errors are at most 7e-7
+relative to the largest entry (logits), so the tolerance is 1e-5.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import references as ref
+from eqgpt import nn
+from eqgpt.data import Batch
+from eqgpt.nn.loss import chunked_cross_entropy, head_loss_sums
+from eqgpt.parallel.strategy import lm_batch_loss
+from helpers import TINY, TINY_LLAMA, assert_within
+
+TOL = 1e-5
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def randomised(model, seed=0, scale=0.3):
+    """`model` with every array replaced by normal noise of `scale` (norm scales around 1)."""
+    arrays, rest = eqx.partition(model, eqx.is_inexact_array)
+    leaves, tree = jax.tree.flatten(arrays)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+    model = eqx.combine(jax.tree.unflatten(tree, leaves), rest)
+    if not isinstance(model, nn.GPT):
+        return model
+    norms = lambda m: [m.norm.weight, m.blocks.attn_norm.weight, m.blocks.mlp_norm.weight]  # noqa: E731
+    return eqx.tree_at(norms, model, [1.0 + w for w in norms(model)])
+
+
+def numpy_params(model) -> dict:
+    """The model's arrays in the layout `references.transformer_logits` reads."""
+    a = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+    bl = model.blocks
+
+    def lin(m, i):
+        return {"w": a(m.weight)[i], "b": None if m.bias is None else a(m.bias)[i]}
+
+    def norm(m, i=None):
+        w, b = a(m.weight), a(getattr(m, "bias", None))
+        return {"w": w if i is None else w[i], "b": b if b is None or i is None else b[i]}
+
+    layers = []
+    for i in range(model.config.num_layers):
+        mlp = bl.mlp
+        m = ({"gate": a(mlp.gate.weight)[i], "up": a(mlp.up.weight)[i], "down": a(mlp.down.weight)[i]}
+             if hasattr(mlp, "gate") else
+             {"up": a(mlp.up.weight)[i], "up_b": a(mlp.up.bias)[i], "down": a(mlp.down.weight)[i],
+              "down_b": a(mlp.down.bias)[i]})
+        layers.append({"attn_norm": norm(bl.attn_norm, i), "mlp_norm": norm(bl.mlp_norm, i), "mlp": m,
+                       **{n: lin(getattr(bl.attn, f"{n}_proj"), i) for n in "qkvo"}})
+    return {"embed": a(model.tok_embed.weight), "pos": None if model.pos_embed is None else a(model.pos_embed.weight),
+            "head": None if model.head is None else a(model.head.weight), "final_norm": norm(model.norm),
+            "layers": layers}
+
+
+def reference_logits(model, tokens, **kw):
+    c = model.config
+    return ref.transformer_logits(numpy_params(model), tokens, heads=c.num_heads, kind="llama" if c.norm == "rmsnorm"
+                                  else "gpt2", eps=c.norm_eps, theta=c.rope_theta, window=c.window, **kw)
+
+
+def packed_inputs(b, t):
+    seg = np.tile(np.repeat([1, 2, 3], [t // 2, t // 4, t - t // 2 - t // 4]), (b, 1)).astype(np.int32)
+    pos = np.zeros_like(seg)
+    for r in range(b):
+        for s in (1, 2, 3):
+            pos[r, seg[r] == s] = np.arange((seg[r] == s).sum())
+    return seg, pos
+
+
+CONFIGS = {"gpt2": TINY, "llama": TINY_LLAMA, "llama-sliding": TINY_LLAMA.replace(mask="sliding", window=5)}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_model_logits_match_the_numpy_transformer(name, packed):
+    model = randomised(nn.GPT(CONFIGS[name], key=jax.random.key(0)))
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 16), 0, model.config.vocab_size))
+    kw = dict(zip(("segment_ids", "doc_positions"), packed_inputs(*tokens.shape), strict=True)) if packed else {}
+    got = jax.jit(lambda m, x, kw: m(x, **kw))(model, jnp.asarray(tokens), {k: jnp.asarray(v) for k, v in kw.items()})
+    assert_within(rel_err(got, reference_logits(model, tokens, **kw)), TOL, f"{name} logits")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_lm_loss_of_a_batch_is_the_numpy_cross_entropy(name):
+    """The training loss of a `Batch` with a loss mask and packed documents: the masked mean NLL of
+    the reference logits."""
+    model = randomised(nn.GPT(CONFIGS[name], key=jax.random.key(2)))
+    windows = np.asarray(jax.random.randint(jax.random.key(3), (2, 17), 0, model.config.vocab_size))
+    seg, pos = packed_inputs(2, 16)
+    mask = (np.arange(16) % 3 != 0).astype(np.float32)[None].repeat(2, 0)
+    b = Batch.from_windows(windows)
+    batch = Batch(b.tokens, b.targets, loss_mask=mask, segment_ids=seg, positions=pos)
+    loss, _ = jax.jit(lambda m, x: lm_batch_loss(m, x, chunk_size=4))(model, batch)
+    logits = reference_logits(model, b.tokens, segment_ids=seg, doc_positions=pos)
+    want = ref.cross_entropy(logits, np.asarray(b.targets), mask)[0]
+    assert_within(abs(float(loss) - want) / want, TOL, f"{name} loss")
+
+
+def test_swiglu_and_gelu_mlp_are_their_definitions():
+    x = jax.random.normal(jax.random.key(4), (2, 5, 8))
+    sw = randomised(nn.SwiGLU(8, 24, key=jax.random.key(5)), scale=0.5)
+    want = ref.swiglu(x, sw.gate.weight, sw.up.weight, sw.down.weight)
+    assert_within(rel_err(sw(x), want), TOL, "SwiGLU")
+    mlp = randomised(nn.MLP(8, 24, key=jax.random.key(6)), scale=0.5)
+    want = ref.gelu_mlp(x, mlp.up.weight, np.asarray(mlp.up.bias), mlp.down.weight, np.asarray(mlp.down.bias))
+    assert_within(rel_err(mlp(x), want), TOL, "GELU MLP")
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1.0, 1e4], ids=["tiny", "unit", "huge"])
+def test_norms_with_learned_scales_at_any_magnitude(scale):
+    """RMSNorm and LayerNorm are scale-invariant down to where `eps` takes over, and keep their
+    learned scale and bias: at inputs of 1e-4 (eps of 1e-6 is not negligible) up to 1e4."""
+    x = scale * (jax.random.normal(jax.random.key(7), (3, 16)) + 0.5)
+    w, bias = 1 + 0.5 * jax.random.normal(jax.random.key(8), (16,)), jax.random.normal(jax.random.key(9), (16,))
+    rms = eqx.tree_at(lambda m: m.weight, nn.RMSNorm(16, eps=1e-6), w)
+    assert_within(rel_err(rms(x), ref.rms_norm(x, w, 1e-6)), TOL, "RMSNorm")
+    ln = eqx.tree_at(lambda m: (m.weight, m.bias), nn.LayerNorm(16, eps=1e-5), (w, bias))
+    assert_within(rel_err(ln(x), ref.layer_norm(x, w, bias, 1e-5)), TOL, "LayerNorm")
+
+
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
+def test_loss_at_huge_logits(loss):
+    """Logits of scale 1e4 (exp overflows fp32 beyond 88): the loss, its z-loss and its gradient
+    in the logits still match the float64 definition."""
+    hidden = jax.random.normal(jax.random.key(10), (2, 6, 8))
+    weight = 2e3 * jax.random.normal(jax.random.key(11), (11, 8))
+    targets = jax.random.randint(jax.random.key(12), (2, 6), 0, 11)
+    mask = jnp.asarray([[1, 1, 0, 1, 1, 1], [0, 1, 1, 1, 0, 1]], jnp.float32)
+
+    def value(h):
+        if loss == "chunked":
+            return chunked_cross_entropy(lambda x: x @ weight.T, h, targets, loss_mask=mask, chunk_size=4,
+                                         z_loss=1e-4)[0]
+        total, (_, _, count) = head_loss_sums(h, weight, targets, loss_mask=mask, chunk_size=4, z_loss=1e-4)
+        return total / count
+
+    got, d_hidden = jax.jit(jax.value_and_grad(value))(hidden)
+    logits = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64).T
+    want = ref.cross_entropy(logits, targets, mask, 1e-4)[0]
+    assert np.isfinite(float(got)) and abs(float(got) - want) / want < TOL
+    want_dh = ref.cross_entropy_logit_grad(logits, targets, mask, 1e-4) @ np.asarray(weight, np.float64)
+    assert_within(rel_err(d_hidden, want_dh), 1e-4, "gradient")
