@@ -63,8 +63,12 @@ def prepare(module: str, work: Path, fresh: bool) -> None:
         shutil.rmtree(work / d, ignore_errors=True)
         shutil.copytree(ROOT / d, work / d, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
     mine = {**base, "only_mutate": [f"src/eqgpt/{module}"], "pytest_add_cli_args_test_selection": modules[module]}
+    text = (ROOT / "pyproject.toml").read_text()  # pytest's settings stay; [tool.mutmut] is this module's
+    head, rest = text.split("\n[tool.mutmut]\n", 1)
+    tail = rest.split("\n[tool.eqgpt.mutation.modules]\n", 1)[1].split("\n[", 1)
     (work / "pyproject.toml").write_text(
-        "[tool.mutmut]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in mine.items()))
+        head + ("\n[" + tail[1] if len(tail) > 1 else "") + "\n[tool.mutmut]\n"
+        + "".join(f"{k} = {toml_value(v)}\n" for k, v in mine.items()))
 
 
 def equivalents() -> dict[str, tuple[str, str]]:

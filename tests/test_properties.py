@@ -93,7 +93,13 @@ def test_document_masks_are_their_definition(seg, window):
                                       got)
 
 
-def test_masks_refuse_half_given_segments():
+def test_masks_by_name_and_bad_masks():
+    assert isinstance(make_mask("causal"), CausalMask) and isinstance(make_mask("full"), FullMask)
+    assert make_mask("sliding", window=3) == SlidingWindowMask(3)
+    with pytest.raises(ValueError, match="needs a window"):
+        make_mask("sliding")
+    with pytest.raises(ValueError, match="choose"):
+        make_mask("Causal")
     pos = jnp.arange(3)
     with pytest.raises(ValueError, match="both"):
         CausalMask()(pos, pos, q_seg=pos[None])
