@@ -156,3 +156,53 @@ def test_loss_at_huge_logits(loss):
     assert np.isfinite(float(got)) and abs(float(got) - want) / want < TOL
     want_dh = ref.cross_entropy_logit_grad(logits, targets, mask, 1e-4) @ np.asarray(weight, np.float64)
     assert_within(rel_err(d_hidden, want_dh), 1e-4, "gradient")
+
+
+def central_difference(f, x, direction, h=1e-5):
+    """`d/dt f(x + t direction)` at 0, float64 (error of order h^2 * f''')."""
+    return (f(x + h * direction) - f(x - h * direction)) / (2 * h)
+
+
+def test_gelu_derivative_is_the_slope_of_its_definition():
+    """`gelu_tanh`'s hand-written derivative against the float64 slope of the tanh-GELU formula,
+    from -12 to 12 (where tanh saturates)."""
+    from eqgpt.nn.mlp import gelu_tanh
+
+    x = np.linspace(-12.0, 12.0, 241)
+    got = jax.vmap(jax.grad(gelu_tanh))(jnp.asarray(x, jnp.float32))
+    want = central_difference(ref.gelu_tanh, x, np.ones_like(x))
+    assert_within(float(np.max(np.abs(np.asarray(got, np.float64) - want))), 1e-5, "slope")
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_mlp_gradients_are_the_slopes_of_their_definitions(kind):
+    """Every input's and weight's gradient of `sum(mlp(x) * r)`, against the float64 directional
+    slope of the NumPy definition along a random direction."""
+    if kind == "swiglu":
+        layer = randomised(nn.SwiGLU(8, 24, key=jax.random.key(13)), scale=0.5)
+        names = ("gate", "up", "down")
+        define = lambda x, w: ref.swiglu(x, *w)  # noqa: E731
+    else:
+        layer = randomised(nn.MLP(8, 24, key=jax.random.key(14)), scale=0.5)
+        names = ("up", "up_b", "down", "down_b")
+        define = lambda x, w: ref.gelu_mlp(x, *w)  # noqa: E731
+    get = {"gate": lambda m: m.gate.weight, "up": lambda m: m.up.weight, "down": lambda m: m.down.weight,
+           "up_b": lambda m: m.up.bias, "down_b": lambda m: m.down.bias}
+    x = 2.0 * jax.random.normal(jax.random.key(15), (2, 5, 8))
+    r = np.asarray(jax.random.normal(jax.random.key(16), (2, 5, 8)), np.float64)
+    d_x, d_layer = jax.grad(lambda x, m: jnp.sum(m(x) * r), argnums=(0, 1))(x, layer)
+    x64 = np.asarray(x, np.float64)
+    w64 = [np.asarray(get[n](layer), np.float64) for n in names]
+    rng = np.random.default_rng(0)
+    for i, grad in [(None, d_x), *((i, get[n](d_layer)) for i, n in enumerate(names))]:
+        like = x64 if i is None else w64[i]
+        direction = rng.standard_normal(like.shape)
+
+        def along(t_dir, i=i):
+            if i is None:
+                return float(np.sum(define(t_dir, w64) * r))
+            return float(np.sum(define(x64, [t_dir if j == i else w for j, w in enumerate(w64)]) * r))
+
+        want = central_difference(along, like, direction)
+        got = float(np.sum(np.asarray(grad, np.float64) * direction))
+        assert_within(abs(got - want) / abs(want), 1e-4, f"{kind} {'x' if i is None else names[i]} slope")
