@@ -18,7 +18,7 @@ import pytest
 
 import references as ref
 from eqgpt import nn
-from eqgpt.nn.rope import apply_rope
+from eqgpt.nn.rope import apply_rope, rope_angles
 from eqgpt.train.optim import clip_by_global_norm
 from helpers import assert_within
 
@@ -36,6 +36,19 @@ def test_rope_is_the_rotation_of_each_pair(theta):
     positions = np.array([0, 1, 2, 7, 30, 100])
     got = apply_rope(jnp.asarray(x), jnp.asarray(positions), theta)
     assert_within(rel_err(got, ref.rope(x, positions, theta)), TOL)
+
+
+def test_rope_defaults_to_theta_ten_thousand_and_needs_an_even_head_dim():
+    x = np.asarray(jax.random.normal(jax.random.key(3), (1, 4, 2, 8)))
+    positions = np.array([0, 3, 100, 900])  # at 900 a base of 10001 turns the second pair 2e-3 rad less
+    assert_within(rel_err(apply_rope(jnp.asarray(x), jnp.asarray(positions)), ref.rope(x, positions, 10000.0)),
+                  TOL)
+    cos, sin = rope_angles(jnp.asarray(positions), 8)
+    angle = positions[:, None] * 10000.0 ** (-2.0 * np.arange(4) / 8)
+    np.testing.assert_allclose(cos, np.cos(angle), atol=2e-5)
+    np.testing.assert_allclose(sin, np.sin(angle), atol=2e-5)
+    with pytest.raises(ValueError, match="RoPE needs an even head_dim, got 7"):
+        rope_angles(jnp.arange(3), 7)
 
 
 def test_rope_at_position_one_turns_the_first_pair_by_one_radian():
