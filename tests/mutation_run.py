@@ -17,7 +17,9 @@ kills it, or a line in `tests/mutation_equivalents.txt`:
 The mutated line is checked against the mutant's diff, so an entry goes stale (and is reported)
 when the code under it changes.
 
-    python tests/mutation_run.py nn/mask.py [--max-children 2] [--fresh] [--report]
+    python tests/mutation_run.py nn/mask.py [--max-children 2] [--fresh] [--report] [--survivors]
+
+`--survivors` tests only the survivors again, with the tests as they are now (after adding one).
 """
 
 from __future__ import annotations
@@ -86,11 +88,17 @@ def diff(work: Path, name: str) -> str:
                           text=True).stdout
 
 
-def report(module: str, work: Path) -> dict:
-    """Count the module's mutants by outcome and print the survivors not on the equivalents list."""
+def exit_codes(work: Path) -> dict[str, int | None]:
+    """Every mutant of the work folder and the exit code of its tests (None: not run yet)."""
     codes: dict[str, int | None] = {}
     for meta in (work / "mutants").rglob("*.meta"):
         codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+    return codes
+
+
+def report(module: str, work: Path) -> dict:
+    """Count the module's mutants by outcome and print the survivors not on the equivalents list."""
+    codes = exit_codes(work)
     known = equivalents()
     counts = {"generated": len(codes), "killed": 0, "equivalent": 0, "survived": 0, "other": 0}
     stale, survivors, other = [], [], []
@@ -127,12 +135,15 @@ def main() -> int:
     parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results of this module")
     parser.add_argument("--report", action="store_true", help="only print the table row and the survivors")
+    parser.add_argument("--survivors", action="store_true",
+                        help="test the survivors again (with the tests as they are now), not the rest")
     args = parser.parse_args()
     work = ROOT / ".mutation" / args.module.replace("/", "_").removesuffix(".py")
     if not args.report:
         prepare(args.module, work, args.fresh)
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""}
-        subprocess.run([MUTMUT, "run", "--max-children", str(args.max_children)],
+        names = [n for n, c in exit_codes(work).items() if c in SURVIVED] if args.survivors else []
+        subprocess.run([MUTMUT, "run", "--max-children", str(args.max_children), *names],
                        cwd=work, env=env, check=True)
     report(args.module, work)
     return 0
