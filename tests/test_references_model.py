@@ -18,6 +18,7 @@ import references as ref
 from eqgpt import nn
 from eqgpt.data import Batch
 from eqgpt.nn.loss import chunked_cross_entropy, head_loss_sums
+from eqgpt.nn.norm import make_norm
 from eqgpt.parallel.strategy import lm_batch_loss
 from helpers import TINY, TINY_LLAMA, assert_within
 
@@ -206,3 +207,19 @@ def test_mlp_gradients_are_the_slopes_of_their_definitions(kind):
         want = central_difference(along, like, direction)
         got = float(np.sum(np.asarray(grad, np.float64) * direction))
         assert_within(abs(got - want) / abs(want), 1e-4, f"{kind} {'x' if i is None else names[i]} slope")
+
+
+def test_norm_defaults_and_axes():
+    """The defaults a user gets: LayerNorm eps 1e-5 with a bias, RMSNorm eps 1e-6 (inputs of scale
+    1e-3, where eps is 1 to 10% of the mean square), and the logical axes sharding rules read."""
+    x = 1e-3 * jax.random.normal(jax.random.key(17), (3, 16))
+    ones = np.ones(16)
+    assert_within(rel_err(nn.RMSNorm(16)(x), ref.rms_norm(x, ones, 1e-6)), TOL, "RMSNorm default")
+    assert_within(rel_err(nn.LayerNorm(16)(x), ref.layer_norm(x, ones, np.zeros(16), 1e-5)), TOL, "LayerNorm default")
+    assert nn.LayerNorm(16).bias is not None and nn.LayerNorm(16, use_bias=False).bias is None
+    assert nn.LayerNorm(16).param_axes() == {"weight": ("embed",), "bias": ("embed",)}
+    assert nn.RMSNorm(16).param_axes() == {"weight": ("embed",)}
+    assert isinstance(make_norm("rmsnorm", 16, eps=1e-6), nn.RMSNorm)
+    assert isinstance(make_norm("layernorm", 16, eps=1e-5), nn.LayerNorm)
+    with pytest.raises(ValueError, match='choose "layernorm" or "rmsnorm"'):
+        make_norm("batchnorm", 16, eps=1e-5)
