@@ -220,6 +220,8 @@ def test_norm_defaults_and_axes():
     assert nn.LayerNorm(16).param_axes() == {"weight": ("embed",), "bias": ("embed",)}
     assert nn.RMSNorm(16).param_axes() == {"weight": ("embed",)}
     assert nn.RMSNorm(16).dim == 16 and nn.LayerNorm(16).dim == 16  # public fields
+    for norm in (nn.RMSNorm(16), nn.LayerNorm(16)):  # computed in fp32, returned in the input's dtype
+        assert norm(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
     assert isinstance(make_norm("rmsnorm", 16, eps=1e-6), nn.RMSNorm)
     assert isinstance(make_norm("layernorm", 16, eps=1e-5), nn.LayerNorm)
     with pytest.raises(ValueError, match='choose "layernorm" or "rmsnorm"'):
