@@ -47,6 +47,7 @@ def test_rope_defaults_to_theta_ten_thousand_and_needs_an_even_head_dim():
     angle = positions[:, None] * 10000.0 ** (-2.0 * np.arange(4) / 8)
     np.testing.assert_allclose(cos, np.cos(angle), atol=2e-5)
     np.testing.assert_allclose(sin, np.sin(angle), atol=2e-5)
+    assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(positions)).dtype == jnp.bfloat16  # x's dtype
     with pytest.raises(ValueError, match="RoPE needs an even head_dim, got 7"):
         rope_angles(jnp.arange(3), 7)
 
