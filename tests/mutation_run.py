@@ -19,7 +19,8 @@ when the code under it changes.
 
     python tests/mutation_run.py nn/mask.py [--max-children 2] [--fresh] [--report] [--survivors]
 
-`--survivors` tests only the survivors again, with the tests as they are now (after adding one).
+`--survivors` tests only the survivors (and the mutants no test reached) again, with the tests
+as they are now (after adding one).
 """
 
 from __future__ import annotations
@@ -136,13 +137,13 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="forget earlier results of this module")
     parser.add_argument("--report", action="store_true", help="only print the table row and the survivors")
     parser.add_argument("--survivors", action="store_true",
-                        help="test the survivors again (with the tests as they are now), not the rest")
+                        help="test the survivors and the mutants no test reached again (with the tests as they are now)")
     args = parser.parse_args()
     work = ROOT / ".mutation" / args.module.replace("/", "_").removesuffix(".py")
     if not args.report:
         prepare(args.module, work, args.fresh)
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""}
-        names = [n for n, c in exit_codes(work).items() if c in SURVIVED] if args.survivors else []
+        names = [n for n, c in exit_codes(work).items() if c in SURVIVED | NO_TESTS] if args.survivors else []
         subprocess.run([MUTMUT, "run", "--max-children", str(args.max_children), *names],
                        cwd=work, env=env, check=True)
     report(args.module, work)
