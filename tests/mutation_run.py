@@ -137,7 +137,7 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="forget earlier results of this module")
     parser.add_argument("--report", action="store_true", help="only print the table row and the survivors")
     parser.add_argument("--survivors", action="store_true",
-                        help="test the survivors and the mutants no test reached again (with the tests as they are now)")
+                        help="test survivors and mutants no test reached again, with the tests as they are now")
     args = parser.parse_args()
     work = ROOT / ".mutation" / args.module.replace("/", "_").removesuffix(".py")
     if not args.report:
