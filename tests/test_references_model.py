@@ -222,7 +222,8 @@ def test_norm_defaults_and_axes():
     assert nn.RMSNorm(16).dim == 16 and nn.LayerNorm(16).dim == 16  # public fields
     for norm in (nn.RMSNorm(16), nn.LayerNorm(16)):  # computed in fp32, returned in the input's dtype
         assert norm(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
-    assert isinstance(make_norm("rmsnorm", 16, eps=1e-6), nn.RMSNorm)
-    assert isinstance(make_norm("layernorm", 16, eps=1e-5), nn.LayerNorm)
+    rms, ln = make_norm("rmsnorm", 16, eps=1e-3), make_norm("layernorm", 16, eps=1e-3)
+    assert isinstance(rms, nn.RMSNorm) and isinstance(ln, nn.LayerNorm) and rms.eps == ln.eps == 1e-3
+    assert ln.bias is not None and make_norm("layernorm", 16, eps=1e-3, use_bias=False).bias is None
     with pytest.raises(ValueError, match='choose "layernorm" or "rmsnorm"'):
         make_norm("batchnorm", 16, eps=1e-5)
