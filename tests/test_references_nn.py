@@ -90,3 +90,19 @@ def test_clip_by_global_norm(max_norm):
     got = jax.tree.map(jnp.negative, state.model)
     for g, w in zip(jax.tree.leaves(got), want, strict=True):
         assert_within(rel_err(g, w), TOL, "clipped gradient")
+
+
+@pytest.mark.parametrize("max_norm", [37.0, 10.0, 100.0], ids=["at-the-norm", "clips", "passes"])
+def test_clip_scales_as_optax_does_and_reads_the_norm_it_is_given(max_norm):
+    """Bitwise optax's scaling (the docstring's promise), also where the norm equals `max_norm`
+    exactly (|(12, 35)| = 37: optax scales by 37/37, which rounds 12 to 11.999999); and the norm
+    comes from `norm_fn` when one is given (ZeRO's block norm)."""
+    grads = {"a": jnp.asarray([12.0, 35.0]), "b": jnp.zeros((2,))}
+    ours = clip_by_global_norm(max_norm)
+    got, _ = ours.update(grads, ours.init(grads))
+    theirs = optax.clip_by_global_norm(max_norm)
+    want, _ = theirs.update(grads, theirs.init(grads))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    halved, _ = ours.update(grads, ours.init(grads), norm_fn=lambda tree: jnp.float32(2 * max_norm))
+    np.testing.assert_allclose(halved["a"], [6.0, 17.5], rtol=1e-6)
