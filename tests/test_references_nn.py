@@ -19,7 +19,7 @@ import pytest
 import references as ref
 from eqgpt import nn
 from eqgpt.nn.rope import apply_rope, rope_angles
-from eqgpt.train.optim import clip_by_global_norm
+from eqgpt.train.optim import clip_by_global_norm, make_lr_schedule
 from helpers import assert_within
 
 TOL = 1e-5
@@ -106,3 +106,17 @@ def test_clip_scales_as_optax_does_and_reads_the_norm_it_is_given(max_norm):
         np.testing.assert_array_equal(g, w)
     halved, _ = ours.update(grads, ours.init(grads), norm_fn=lambda tree: jnp.float32(2 * max_norm))
     np.testing.assert_allclose(halved["a"], [6.0, 17.5], rtol=1e-6)
+    assert ours.init(grads) == theirs.init(grads)  # the same (empty) state: checkpoints stay interchangeable
+    low = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+    clipped, _ = ours.update(low, ours.init(low))
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(clipped))  # gradients keep their dtype
+
+
+def test_schedule_defaults_and_bad_settings():
+    """By default no warmup (the peak at step 0) and a floor of a tenth of the peak."""
+    schedule = make_lr_schedule(2.0, total_steps=10)
+    assert float(schedule(0)) == pytest.approx(2.0) and float(schedule(10)) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="total_steps must be positive, got 0"):
+        make_lr_schedule(1.0, total_steps=0)
+    with pytest.raises(ValueError, match=r"warmup_steps \(5\) must lie in \[0, total_steps=5\)"):
+        make_lr_schedule(1.0, total_steps=5, warmup_steps=5)
