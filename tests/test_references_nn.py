@@ -4,7 +4,8 @@
   `i < d/2` is `(x[i], x[i + d/2])`, rotated by `p * theta^(-2i/d)` at position `p`.
 - LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), with `eps` inside the
   square root; inputs of variance 1e-6, so that `eps` (1e-3 here) dominates it.
-- Clipping by the global norm (Pascanu et al. 2013): `g * min(1, c / ||g||)`.
+- Clipping by the global norm (Pascanu et al. 2013): `g * min(1, c / ||g||)`, and bitwise
+  optax's scaling; the learning-rate schedule's defaults (its every step: `test_properties`).
 
 fp32 against float64: the measured errors are at most 4.4e-7 (RoPE at positions up to 100;
 at 1000 fp32's rounding of the angle alone reaches 9e-6), so the tolerance is 1e-5.
