@@ -337,3 +337,28 @@ def transformer_logits(p: dict, tokens, *, heads: int, kind: str, eps: float, th
                  else swiglu(h, m["gate"], m["up"], m["down"]))
     x = norm(x, p["final_norm"])
     return x @ np.asarray(p["embed"], np.float64).T if gpt2 else x @ np.asarray(p["head"], np.float64)
+
+
+# ------------------------------------------------------------------------------------ AdamW
+
+
+def adamw(params: dict, grads_per_step: list[dict], lr, *, decays: dict, b1: float, b2: float, eps: float,
+          weight_decay: float, clip: float | None):
+    """AdamW (Loshchilov & Hutter 2019) after clipping by the global norm, float64: per step `t`
+    (from 1) `g <- g * c / ||g||` if `||g|| >= c`; `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`;
+    `p <- p - lr(t - 1) * (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * p)`, the
+    decay term only where `decays[name]`. `params`, `grads`: `{name: array}`; `lr`: a function of the step."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v2 = {k: np.zeros_like(v) for k, v in p.items()}
+    for t, grads in enumerate(grads_per_step, start=1):
+        g = {k: np.asarray(x, np.float64) for k, x in grads.items()}
+        norm = math.sqrt(sum(float(np.sum(x**2)) for x in g.values()))
+        if clip is not None and norm >= clip:
+            g = {k: x * clip / norm for k, x in g.items()}
+        for k in p:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
+            step = m[k] / (1 - b1**t) / (np.sqrt(v2[k] / (1 - b2**t)) + eps)
+            p[k] = p[k] - lr(t - 1) * (step + (weight_decay * p[k] if decays[k] else 0.0))
+    return p
