@@ -71,3 +71,16 @@ def test_make_optimizer_is_clipped_adamw(case):
         assert np.max(np.abs(got[k] - want[k])) <= tol * step, (case, k)
     mus = [x.dtype for x in jax.tree.leaves(state) if hasattr(x, "dtype") and x.ndim > 1]
     assert (jnp.bfloat16 in mus) == (case == "bf16-mu")
+
+
+def test_expert_matrices_decay_by_default():
+    """Arrays of modules other than `Linear` decay when they are matrices by their logical axes:
+    an MoE layer's expert weights (`[layers, expert, embed, mlp]`) do, with the default flags."""
+    import eqgpt
+    from eqgpt.train.optim import decay_mask
+
+    config = eqgpt.preset("moe-nano", vocab_size=64, num_layers=2, embed_dim=32, num_heads=2, seq_len=32)
+    params = eqx.filter(nn.GPT(config, key=jax.random.key(0)), eqx.is_array)
+    flags = flat(decay_mask(params))
+    assert flags["blocks.mlp.experts.up"] and flags["blocks.mlp.experts.down"] and flags["blocks.mlp.router.weight"]
+    assert not flags["blocks.mlp_norm.weight"] and not flags["tok_embed.weight"]
