@@ -1,5 +1,5 @@
 """Developer sessions: `nox -s tests`, `tests-3.11`, `tests-3.12`, `lint`, `docs`, `bench`, `tests_multiprocess`,
-`mutants`.
+`mutants`, `mutation`.
 
 `tests` runs the suite on both supported ends of JAX: `tests-3.11` pins the oldest
 supported jax (0.10.2) on Python 3.11, `tests-3.12` installs the newest jax on
@@ -37,6 +37,17 @@ def mutants(session: nox.Session) -> None:
     hour on 2 cores), so not in CI; `nox -s mutants -- --only NAME` runs some."""
     session.install("-e", ".[test]")
     session.run("python", "tests/mutants/run.py", *session.posargs)
+
+
+@nox.session
+def mutation(session: nox.Session) -> None:
+    """Tool-driven mutation testing (mutmut 3) of one module: `nox -s mutation -- nn/mask.py`. Not in CI:
+    minutes (rope) to hours (the attention mask) on 2 cores; results persist in .mutation/ (see
+    tests/mutation_run.py, docs/testing.md). `-- MODULE --report` prints the table row again."""
+    session.install("-e", ".[test,mutation]")
+    if not session.posargs:
+        session.error("name a module under src/eqgpt/: nox -s mutation -- nn/mask.py")
+    session.run("python", "tests/mutation_run.py", *session.posargs)
 
 
 @nox.session

@@ -244,3 +244,121 @@ def zero2_shard(replica_grads, index: int, dim: int):
     data-parallel replicas, `mean_r g_r`."""
     avg = np.mean(np.stack([np.asarray(g, np.float64) for g in replica_grads]), axis=0)
     return np.split(avg, len(replica_grads), axis=dim)[index]
+
+
+# ------------------------------------------------------------------- layers and a whole model
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    """LayerNorm (Ba et al. 2016): `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis."""
+    x = np.asarray(x, np.float64)
+    centred = x - x.mean(-1, keepdims=True)
+    y = centred / np.sqrt(np.mean(centred**2, -1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+    return y if bias is None else y + np.asarray(bias, np.float64)
+
+
+def rms_norm(x, weight, eps: float = 1e-6):
+    """RMSNorm (Zhang & Sennrich 2019): `x / sqrt(mean(x^2) + eps) * weight` over the last axis."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+
+
+def rope(x, positions, theta: float):
+    """RoPE (Su et al. 2021) in the rotate-half pairing (GPT-NeoX, Llama): `x: [b, t, h, d]`, pair
+    `i < d/2` is `(x[i], x[i + d/2])`, turned by `p * theta^(-2i/d)` at position `p`
+    (`positions`: `[t]`, or `[b, t]` per row)."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    angle = np.asarray(positions, np.float64)[..., None] * theta ** (-2.0 * np.arange(d // 2) / d)
+    angle = angle[None, :, None, :] if angle.ndim == 2 else angle[:, :, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], axis=-1)
+
+
+def silu(x):
+    """SiLU / swish (Elfwing et al. 2018): `x * sigmoid(x)`."""
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(x, gate, up, down):
+    """SwiGLU feed-forward (Shazeer 2020): `(silu(x W_gate) * (x W_up)) W_down`, weights `[in, out]`."""
+    x = np.asarray(x, np.float64)
+    g, u = x @ np.asarray(gate, np.float64), x @ np.asarray(up, np.float64)
+    return (silu(g) * u) @ np.asarray(down, np.float64)
+
+
+def gelu_mlp(x, up, up_bias, down, down_bias):
+    """GPT-2's MLP: `gelu_tanh(x W_up + b_up) W_down + b_down`."""
+    x = np.asarray(x, np.float64)
+    return gelu_tanh(x @ np.asarray(up, np.float64) + up_bias) @ np.asarray(down, np.float64) + down_bias
+
+
+def transformer_logits(p: dict, tokens, *, heads: int, kind: str, eps: float, theta: float = 10000.0,
+                       segment_ids=None, doc_positions=None, window: int | None = None):
+    """Logits `[b, t, vocab]` of a pre-norm decoder (Radford et al. 2019; Touvron et al. 2023), float64.
+
+    `kind`: "gpt2" (LayerNorm with biases, learned positions, GELU MLP, biased projections,
+    tied head) or "llama" (RMSNorm, RoPE, SwiGLU, no biases, own head). `p` holds NumPy arrays:
+    `embed [V, D]`, `pos [T, D]` (gpt2), `head [D, V]` (llama), `final_norm` (`w`, `b`), and
+    `layers`, a list of dicts `attn_norm`, `mlp_norm` (`w`, `b`), `q, k, v, o` (`w [in, out]`,
+    `b`), and `mlp` (`gate, up, down` or `up, up_b, down, down_b`). Each layer:
+    `x += attn(norm(x)); x += mlp(norm(x))`. Attention is causal (sliding with `window`), within
+    segments when `segment_ids` are given; `doc_positions` (`[b, t]`) replace `0..t-1` for the
+    position embedding / rotation.
+    """
+    tokens = np.asarray(tokens)
+    b, t = tokens.shape
+    pos = np.arange(t)
+    rot = pos if doc_positions is None else np.asarray(doc_positions)
+    mask = causal_mask(pos, pos) if window is None else sliding_window_mask(pos, pos, window)
+    mask = np.broadcast_to(mask, (b, t, t))
+    if segment_ids is not None:
+        mask = mask & document_mask(segment_ids, segment_ids)
+    gpt2 = kind == "gpt2"
+
+    def norm(x, n):
+        return layer_norm(x, n["w"], n["b"], eps) if gpt2 else rms_norm(x, n["w"], eps)
+
+    def proj(x, w):
+        return x @ w["w"] + (w["b"] if gpt2 else 0.0)
+
+    x = np.asarray(p["embed"], np.float64)[tokens]
+    if gpt2:
+        x = x + np.asarray(p["pos"], np.float64)[np.broadcast_to(rot, (b, t))]
+    for layer in p["layers"]:
+        h = norm(x, layer["attn_norm"])
+        d = x.shape[-1] // heads
+        q, k, v = (proj(h, layer[n]).reshape(b, t, -1, d) for n in "qkv")
+        if not gpt2:
+            q, k = rope(q, rot, theta), rope(k, rot, theta)
+        x = x + proj(attention(q, k, v, mask).reshape(b, t, -1), layer["o"])
+        h, m = norm(x, layer["mlp_norm"]), layer["mlp"]
+        x = x + (gelu_mlp(h, m["up"], m["up_b"], m["down"], m["down_b"]) if gpt2
+                 else swiglu(h, m["gate"], m["up"], m["down"]))
+    x = norm(x, p["final_norm"])
+    return x @ np.asarray(p["embed"], np.float64).T if gpt2 else x @ np.asarray(p["head"], np.float64)
+
+
+# ------------------------------------------------------------------------------------ AdamW
+
+
+def adamw(params: dict, grads_per_step: list[dict], lr, *, decays: dict, b1: float, b2: float, eps: float,
+          weight_decay: float, clip: float | None):
+    """AdamW (Loshchilov & Hutter 2019) after clipping by the global norm, float64: per step `t`
+    (from 1) `g <- g * c / ||g||` if `||g|| >= c`; `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`;
+    `p <- p - lr(t - 1) * (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * p)`, the
+    decay term only where `decays[name]`. `params`, `grads`: `{name: array}`; `lr`: a function of the step."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v2 = {k: np.zeros_like(v) for k, v in p.items()}
+    for t, grads in enumerate(grads_per_step, start=1):
+        g = {k: np.asarray(x, np.float64) for k, x in grads.items()}
+        norm = math.sqrt(sum(float(np.sum(x**2)) for x in g.values()))
+        if clip is not None and norm >= clip:
+            g = {k: x * clip / norm for k, x in g.items()}
+        for k in p:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
+            step = m[k] / (1 - b1**t) / (np.sqrt(v2[k] / (1 - b2**t)) + eps)
+            p[k] = p[k] - lr(t - 1) * (step + (weight_decay * p[k] if decays[k] else 0.0))
+    return p

@@ -72,12 +72,12 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def first_step(name: str, strategy: Strategy) -> dict:
-    """One step under `strategy`: loss, grad_norm, the raw and clipped gradients, the new parameters."""
+def first_step(name: str, strategy: Strategy, data=batch) -> dict:
+    """One step under `strategy` on `data()`: loss, grad_norm, the raw and clipped gradients, the new parameters."""
     model = strategy.place_model(initial(name))
     state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(0))
     step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
-    state, metrics = step(state, strategy.batch(batch()))
+    state, metrics = step(state, strategy.batch(data()))
     raw, _, clipped, _ = state.opt_state
     return {**{k: float(metrics[k]) for k in ("loss", "grad_norm", "moe_balance") if k in metrics},
             "raw": flat(raw), "clipped": flat(clipped), "params": flat(state.model)}

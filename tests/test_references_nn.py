@@ -4,7 +4,8 @@
   `i < d/2` is `(x[i], x[i + d/2])`, rotated by `p * theta^(-2i/d)` at position `p`.
 - LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), with `eps` inside the
   square root; inputs of variance 1e-6, so that `eps` (1e-3 here) dominates it.
-- Clipping by the global norm (Pascanu et al. 2013): `g * min(1, c / ||g||)`.
+- Clipping by the global norm (Pascanu et al. 2013): `g * min(1, c / ||g||)`, and bitwise
+  optax's scaling; the learning-rate schedule's defaults (its every step: `test_properties`).
 
 fp32 against float64: the measured errors are at most 4.4e-7 (RoPE at positions up to 100;
 at 1000 fp32's rounding of the angle alone reaches 9e-6), so the tolerance is 1e-5.
@@ -16,22 +17,13 @@ import numpy as np
 import optax
 import pytest
 
+import references as ref
 from eqgpt import nn
-from eqgpt.nn.rope import apply_rope
-from eqgpt.train.optim import clip_by_global_norm
+from eqgpt.nn.rope import apply_rope, rope_angles
+from eqgpt.train.optim import clip_by_global_norm, make_lr_schedule
 from helpers import assert_within, rel_err
 
 TOL = 1e-5
-
-
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """`[batch, seq, heads, d]` rotated pair by pair: (a, b) -> (a cos - b sin, b cos + a sin)."""
-    d = x.shape[-1]
-    freq = theta ** (-2.0 * np.arange(d // 2) / d)
-    angle = positions[:, None].astype(np.float64) * freq  # [seq, d/2]
-    cos, sin = np.cos(angle)[None, :, None, :], np.sin(angle)[None, :, None, :]
-    a, b = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
 @pytest.mark.parametrize("theta", [10000.0, 500000.0])
@@ -39,7 +31,21 @@ def test_rope_is_the_rotation_of_each_pair(theta):
     x = np.asarray(jax.random.normal(jax.random.key(0), (2, 6, 3, 16)))
     positions = np.array([0, 1, 2, 7, 30, 100])
     got = apply_rope(jnp.asarray(x), jnp.asarray(positions), theta)
-    assert_within(rel_err(got, rope(x.astype(np.float64), positions, theta)), TOL)
+    assert_within(rel_err(got, ref.rope(x, positions, theta)), TOL)
+
+
+def test_rope_defaults_to_theta_ten_thousand_and_needs_an_even_head_dim():
+    x = np.asarray(jax.random.normal(jax.random.key(3), (1, 4, 2, 8)))
+    positions = np.array([0, 3, 100, 900])  # at 900 a base of 10001 turns the second pair 2e-3 rad less
+    assert_within(rel_err(apply_rope(jnp.asarray(x), jnp.asarray(positions)), ref.rope(x, positions, 10000.0)),
+                  TOL)
+    cos, sin = rope_angles(jnp.asarray(positions), 8)
+    angle = positions[:, None] * 10000.0 ** (-2.0 * np.arange(4) / 8)
+    np.testing.assert_allclose(cos, np.cos(angle), atol=2e-5)
+    np.testing.assert_allclose(sin, np.sin(angle), atol=2e-5)
+    assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(positions)).dtype == jnp.bfloat16  # x's dtype
+    with pytest.raises(ValueError, match="RoPE needs an even head_dim, got 7"):
+        rope_angles(jnp.arange(3), 7)
 
 
 def test_rope_at_position_one_turns_the_first_pair_by_one_radian():
@@ -80,3 +86,33 @@ def test_clip_by_global_norm(max_norm):
     got = jax.tree.map(jnp.negative, state.model)
     for g, w in zip(jax.tree.leaves(got), want, strict=True):
         assert_within(rel_err(g, w), TOL, "clipped gradient")
+
+
+@pytest.mark.parametrize("max_norm", [37.0, 10.0, 100.0], ids=["at-the-norm", "clips", "passes"])
+def test_clip_scales_as_optax_does_and_reads_the_norm_it_is_given(max_norm):
+    """Bitwise optax's scaling (the docstring's promise), also where the norm equals `max_norm`
+    exactly (|(12, 35)| = 37: optax scales by 37/37, which rounds 12 to 11.999999); and the norm
+    comes from `norm_fn` when one is given (ZeRO's block norm)."""
+    grads = {"a": jnp.asarray([12.0, 35.0]), "b": jnp.zeros((2,))}
+    ours = clip_by_global_norm(max_norm)
+    got, _ = ours.update(grads, ours.init(grads))
+    theirs = optax.clip_by_global_norm(max_norm)
+    want, _ = theirs.update(grads, theirs.init(grads))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    halved, _ = ours.update(grads, ours.init(grads), norm_fn=lambda tree: jnp.float32(2 * max_norm))
+    np.testing.assert_allclose(halved["a"], [6.0, 17.5], rtol=1e-6)
+    assert ours.init(grads) == theirs.init(grads)  # the same (empty) state: checkpoints stay interchangeable
+    low = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+    clipped, _ = ours.update(low, ours.init(low))
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(clipped))  # gradients keep their dtype
+
+
+def test_schedule_defaults_and_bad_settings():
+    """By default no warmup (the peak at step 0) and a floor of a tenth of the peak."""
+    schedule = make_lr_schedule(2.0, total_steps=10)
+    assert float(schedule(0)) == pytest.approx(2.0) and float(schedule(10)) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="total_steps must be positive, got 0"):
+        make_lr_schedule(1.0, total_steps=0)
+    with pytest.raises(ValueError, match=r"warmup_steps \(5\) must lie in \[0, total_steps=5\)"):
+        make_lr_schedule(1.0, total_steps=5, warmup_steps=5)
