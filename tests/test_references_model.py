@@ -20,14 +20,9 @@ from eqgpt.data import Batch
 from eqgpt.nn.loss import chunked_cross_entropy, head_loss_sums
 from eqgpt.nn.norm import make_norm
 from eqgpt.parallel.strategy import lm_batch_loss
-from helpers import TINY, TINY_LLAMA, assert_within
+from helpers import TINY, TINY_LLAMA, assert_within, rel_err
 
 TOL = 1e-5
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def randomised(model, seed=0, scale=0.3):
