@@ -162,6 +162,11 @@ class TrainConfig:
     profile_steps: tuple[int, int] | None = None
     ("Trace steps START STOP-1 (e.g. --profile-steps 10 15) into OUT/profile: a jax.profiler trace "
      "(Perfetto/TensorBoard) and a device-memory profile; see docs/profiling.md.")
+    compile_only: bool = False
+    ("Compile the training step for --slice from shapes and report memory, collectives and a predicted step time "
+     "(eqgpt-plan, docs/course/18-planning-for-a-pod.md); trains nothing.")
+    slice: str | None = None
+    """With --compile-only: the TPU slice to compile for, e.g. v5e-16, v5p-128, 2xv5e-256 (needs eqgpt[tpu-plan])."""
     log: Literal["jsonl", "tensorboard"] = "jsonl"
     ("'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is "
      "always written.")
@@ -496,6 +501,10 @@ def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
 
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
+    if cfg.compile_only or cfg.slice:
+        from eqgpt.cli.plan import plan_main
+
+        return plan_main(cfg)
     t0 = time.perf_counter()
     check_run_flags(cfg)  # before start-up: an error is the only output, not mixed with the backend's
     compile_cache = start_jax(cfg)
