@@ -4,12 +4,11 @@ On CPU: the step lowers from shapes (`lower_from_shapes`) to the same program as
 kernels follow the platform being compiled for; the slice catalogue; the step-time model's
 collective formulas. With libtpu (the `tpu-plan` extra, which CI installs): every strategy
 family compiles for a v5e-16 through XLA:TPU, fits, and its collective inventory and matmul
-FLOPs equal the analytic counts.
+FLOPs equal the analytic counts (`test_plan_families.py`).
 """
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -23,9 +22,8 @@ from eqgpt.nn.mask import CausalMask
 from eqgpt.parallel import ParallelFlags
 from eqgpt.plan.compile import compile_step
 from eqgpt.plan.model import collective_seconds
-from eqgpt.plan.slices import CHIPS, SLICES, has_libtpu, parse_slice
-from eqgpt.profile import collective_summary, collectives, matmul_flops, memory
-from eqgpt.profile.flops import matmul_params
+from eqgpt.plan.slices import CHIPS, SLICES, parse_slice
+from eqgpt.profile import collective_summary, memory
 from eqgpt.train import Policy, TrainState, make_optimizer, make_train_step
 
 TINY = eqgpt.GPTConfig(vocab_size=256, seq_len=128, num_layers=2, num_heads=4, embed_dim=128, tie_embeddings=False,
@@ -87,40 +85,19 @@ def test_collective_formulas():
     assert collective_seconds("all-gather", 1e6, 1, "ICI", w, w) == 0.0
 
 
-# ------------------------------------------------------------------ through libtpu
+def test_a_step_that_does_not_fit_is_refused_with_the_trainers_error():
+    from eqgpt.train.fit import DoesNotFit
 
-needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="needs libtpu: pip install 'eqgpt[tpu-plan]'")
-
-
-def plan(*args: str):
-    """The eqgpt-plan path for a tiny model on v5e-16: (compiled, strategy, model config)."""
-    from eqgpt.cli.plan import PlanConfig, compiled_plan
-    import tyro
-
-    cfg = tyro.cli(PlanConfig, args=["--model.preset", "nano", "--model.num-layers", "2", "--precision", "fp32",
-                                     "--slice", "v5e-16", *args])
-    slice_ = parse_slice(cfg.slice)
-    compiled, strategy, model_cfg, _ = compiled_plan(cfg, slice_, slice_.devices())
-    return compiled, strategy, model_cfg, cfg
+    strategy = ParallelFlags(mesh="data=8", rules="dp").strategy()
+    with pytest.raises(DoesNotFit, match=r"needs 0\.\d+ GiB of device memory \(0\.00 GiB available\)\. To fit, try"):
+        compile_step(TINY, strategy, Policy(), make_optimizer(1e-3), batch_size=16, hbm_bytes=1024)
 
 
-def _gathered(rows, axis):
-    """Bytes a family gathers over `axis`: all-gathers, plus collective-permute rings (a windowed
-    matmul's n-1 chunks of an all-gather's (n-1)/n volume)."""
-    return sum(r.total_bytes for r in rows if r.kind == "all-gather" and r.axes == (axis,))
+def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
+    import eqgpt.cli.plan as cli_plan
 
-
-@needs_libtpu
-@pytest.mark.slow
-def test_dp_on_v5e16_all_reduces_the_gradients_once():
-    compiled, strategy, cfg, _ = plan("--mesh", "data=16", "--batch-size", "32")
-    rows = collectives(compiled, mesh=strategy.mesh)
-    params = sum(x.size for x in jax.tree.leaves(eqx.filter_eval_shape(GPT, cfg, key=jax.random.key(0))))
-    grads = sum(r.total_bytes for r in rows if r.kind == "all-reduce" and not all(s.endswith("[]") for s in r.shapes))
-    assert {r.axes for r in rows} == {("data",)}
-    # As on CPU (test_parallel_hlo): a tied table's two gradient contributions are reduced apart.
-    table = cfg.vocab_size * cfg.embed_dim if cfg.tie_embeddings else 0
-    assert grads == pytest.approx(4 * (params + table), rel=0.001)
-    # Attention runs in a Pallas kernel (a custom call): the matmuls are the weights' alone.
-    assert "tpu_custom_call" in compiled.as_text()
-    assert matmul_flops(compiled) == 6 * (32 * cfg.seq_len // 16) * matmul_params(cfg)
+    monkeypatch.setattr(cli_plan, "has_libtpu", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        cli_plan.run(["--slice", "v5e-16", "--mesh", "fsdp=16"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "\n" not in err and "pip install 'eqgpt[tpu-plan]'" in err

@@ -20,6 +20,7 @@ from typing import Any
 from eqgpt.cli import exit_on_user_error, imports_in
 from eqgpt.cli.train import TrainConfig, optimizer_of
 from eqgpt.nn.factory import import_modules
+from eqgpt.parallel import ParallelFlags
 from eqgpt.parallel.mesh import AXES, MeshConfig
 from eqgpt.parallel.pipeline.part import Pipeline
 from eqgpt.plan.slices import has_libtpu, parse_slice
@@ -71,7 +72,8 @@ def compiled_plan(cfg: TrainConfig, slice_, devices) -> tuple[Any, Any, Any, Any
     with compiling_for("tpu"):  # the TPU's defaults (layer scan), not the host's
         model_cfg = cfg.model.build()
     cfg.model.check_kernel(model_cfg)
-    parallel = dataclasses.replace(cfg.parallel, rules=rules_for(cfg))
+    # Without --mesh: data parallelism over the slice (one device too: a mesh keeps the step on the slice).
+    parallel = dataclasses.replace(cfg.parallel, rules=rules_for(cfg), mesh=cfg.parallel.mesh or "data=-1")
     strategy = parallel.strategy(devices)
     policy = policy_for_tpu(cfg)
     optimizer, _ = optimizer_of(cfg, policy)
@@ -123,9 +125,7 @@ def plan_main(cfg: TrainConfig) -> dict:
     devices = slice_.devices()
     as_json = getattr(cfg, "json", False)
     if cfg.parallel.mesh.strip() == "auto":
-        from eqgpt.plan.search import search
-
-        result = search(cfg, slice_, devices, top=getattr(cfg, "top", 4), log=None if as_json else print)
+        result = search(cfg, slice_, devices, top=getattr(cfg, "top", 4), log=(lambda m: None) if as_json else print)
         print(json.dumps(result, indent=1) if as_json else result["text"])
         return {**result, "interrupted": False}
     compiled, strategy, model_cfg, policy = compiled_plan(cfg, slice_, devices)
@@ -137,6 +137,89 @@ def plan_main(cfg: TrainConfig) -> dict:
 
         print(plan_text(record))
     return {**record, "interrupted": False}
+
+
+def candidate_config(cfg: TrainConfig, c) -> TrainConfig:
+    """`cfg` with a search candidate's mesh, rules, parts and remat."""
+    values = {"mesh": c.mesh, "strategy": c.rules, **{k: int(v) if v.isdigit() else v for k, v in c.flags}}
+    return dataclasses.replace(cfg, parallel=ParallelFlags.from_flags(values),
+                               model=dataclasses.replace(cfg.model, remat=c.remat))
+
+
+def search(cfg: TrainConfig, slice_, devices, *, top: int, log) -> dict:
+    """--mesh auto: candidates pruned by the memory estimate, the `top` fastest by a rough time and plain
+    fsdp over every device compiled and predicted; **returns** the ranked records and their table."""
+    import jax
+
+    from eqgpt.nn import GPT
+    from eqgpt.nn.kernels.platform import compiling_for
+    from eqgpt.plan.search import Candidate, mesh_choices, ranked
+    from eqgpt.profile import estimate
+    from eqgpt.train.fit import DoesNotFit
+
+    with compiling_for("tpu"):
+        model_cfg = cfg.model.build()
+    policy = policy_for_tpu(cfg)
+    hbm = slice_.chip.hbm_bytes // slice_.chip.devices_per_chip
+    model_like = jax.eval_shape(lambda k: GPT(model_cfg, key=k), jax.random.key(0))
+
+    def estimate_of(c):
+        try:
+            strategy = candidate_config(cfg, c).parallel.strategy(devices)
+            strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len,
+                           accum_steps=cfg.accum_steps)
+            e = estimate(model_cfg.replace(remat=c.remat), strategy=strategy, batch=cfg.batch_size, policy=policy)
+        except ValueError:
+            return None
+        return e.arguments + e.temporaries
+
+    choices = mesh_choices(model_cfg, len(devices), cfg.batch_size)
+    order = ranked(choices, model_cfg, slice_, cfg.batch_size, estimate_of, hbm)
+    log(f"--mesh auto: {len(choices)} meshes and flag sets, {len(order)} fit by the memory estimate; "
+        f"compiling the {min(top, len(order))} fastest by a rough time, and fsdp={len(devices)}")
+    baseline = Candidate((("fsdp", len(devices)),), "fsdp", (), cfg.model.remat)
+    rows = []
+    for c in [*order[:top], baseline]:
+        sub = candidate_config(cfg, c)
+        try:
+            compiled, strategy, mcfg, pol = compiled_plan(sub, slice_, devices)
+            rec = record_of(sub, slice_, compiled, strategy, mcfg, pol)
+        except DoesNotFit as e:
+            rec = {"error": str(e)}
+        except ValueError as e:
+            rec = {"error": f"refused: {e}"}
+        rec["candidate"] = {"mesh": c.mesh, "args": c.args(), "baseline": c is baseline, "estimate": c.estimate}
+        log(f"  {c.mesh} {' '.join(c.args()[4:])}: "
+            + (f"MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else rec["error"][:160]))
+        rows.append(rec)
+    fitting = sorted((r for r in rows if "mfu" in r), key=lambda r: -r["mfu"])
+    best = fitting[0] if fitting else None
+    command = None if best is None else " ".join([
+        "eqgpt-train", "--model.preset", cfg.model.preset, "--batch-size", str(cfg.batch_size), "--precision",
+        "bf16" if cfg.precision == "auto" else cfg.precision, *best["candidate"]["args"]])
+    return {"ranked": fitting, "failed": [r for r in rows if "mfu" not in r], "command": command,
+            "text": search_text(fitting, rows, command)}
+
+
+def search_text(fitting: list[dict], rows: list[dict], command: str | None) -> str:
+    """The ranked table of a search."""
+    from rich.table import Table
+
+    from eqgpt.profile.text import table_text
+
+    table = Table(title="--mesh auto: compiled candidates, best predicted MFU first")
+    for col in ("mesh", "flags", "GiB per device", "step ms", "tokens/s", "MFU"):
+        table.add_column(col, justify="left" if col in ("mesh", "flags") else "right")
+    for r in [*fitting, *(r for r in rows if "mfu" not in r)]:
+        c = r["candidate"]
+        flags = " ".join(c["args"][2:]) + (" (plain fsdp)" if c["baseline"] else "")
+        if "mfu" in r:
+            table.add_row(c["mesh"], flags, f"{r['memory']['needed'] / 2**30:.2f}", f"{1e3 * r['time']['step']:.1f}",
+                          f"{r['tokens_per_second']:,.0f}", f"{100 * r['mfu']:.1f}%")
+        else:
+            table.add_row(c["mesh"], flags, "does not fit" if "needs" in r["error"] else "refused", "-", "-", "-")
+    tail = f"\nbest: {command}" if command else "\nno candidate fits: try a smaller --batch-size"
+    return table_text(table, width=140) + tail
 
 
 def run(args: list[str] | None = None) -> None:

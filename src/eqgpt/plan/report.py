@@ -71,10 +71,16 @@ def plan_text(r: dict[str, Any]) -> str:
                    [f"needed (arguments + temporaries): {fits}",
                     f"{m['needed'] / GIB:.2f} GiB of {m['hbm'] / GIB:.2f}"]]
     step = t["step"]
-    col_rows = [[c["kind"], ",".join(c["axes"]) or "-", c["link"], c["group"], _mib(c["bytes"]), c["executions"],
-                 "yes" if c["async"] else "no", f"{1e3 * c['seconds']:.2f}", f"{1e3 * c['hidden']:.2f}",
-                 f"{100 * (c['seconds'] - c['hidden']) / step:.1f}%" if step else "-"]
-                for c in sorted(r["collectives"], key=lambda c: -c["seconds"])]
+    groups: dict[tuple, list[float]] = {}
+    for c in r["collectives"]:  # one row per kind, axes, link, group and async-ness
+        key = (c["kind"], ",".join(c["axes"]) or "-", c["link"], c["group"], "yes" if c["async"] else "no")
+        acc = groups.setdefault(key, [0, 0, 0, 0.0, 0.0])
+        for i, v in enumerate((1, c["executions"], c["bytes"] * c["executions"], c["seconds"], c["hidden"])):
+            acc[i] += v
+    col_rows = [[kind, axes, link, group, ops, runs, _mib(total), is_async, f"{1e3 * sec:.2f}", f"{1e3 * hid:.2f}",
+                 f"{100 * (sec - hid) / step:.1f}%" if step else "-"]
+                for (kind, axes, link, group, is_async), (ops, runs, total, sec, hid)
+                in sorted(groups.items(), key=lambda kv: -kv[1][3])]
     eff = r["efficiency"]
     time_rows = [["matmuls", f"{1e3 * t['matmul']:.2f}", f"at {100 * eff['matmul']:.1f}% of peak"],
                  ["attention kernel", f"{1e3 * t['attention']:.2f}",
@@ -91,8 +97,9 @@ def plan_text(r: dict[str, Any]) -> str:
         f"FLOPs per device and step: compiler's matmuls {f['compiled_matmul']:.3e}, eqgpt's analytic count "
         f"{f['analytic']:.3e} (ratio {f['compiled_matmul'] / max(f['analytic'], 1):.2f}; attention in a Pallas "
         "kernel is not in the compiler's count; remat adds to it)",
-        _table("collectives per step (per device)", ["kind", "axes", "link", "group", "MiB", "runs", "async",
-                                                      "ms", "hidden ms", "of step"], col_rows),
+        _table("collectives per step (per device; --json lists each)",
+               ["kind", "axes", "link", "group", "ops", "runs", "MiB", "async", "ms", "hidden ms", "exposed, of step"],
+               col_rows),
         _table(f"predicted step ({r['calibration']} calibration)", ["part", "ms", "note"], time_rows),
         "assumptions: " + "; ".join(r["assumptions"]) + ".",
     ])
