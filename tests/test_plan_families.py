@@ -85,3 +85,25 @@ def test_pipelines_send_one_microbatch_activation_per_hop(schedule):
     micro = 32 // 8 // 4 * cfg.seq_len * cfg.embed_dim * 4  # one microbatch's [rows, T, D] fp32 activation
     assert sends and {r.bytes for r in sends} == {micro}
     assert all(r.group_size == 2 for r in sends)
+
+
+def test_ring_context_passes_each_key_value_block_around_the_ring():
+    # The ring runs eqgpt's blockwise kernel on each device (eqgpt.parallel.context): no Pallas call.
+    compiled, strategy, cfg = plan("--mesh", "context=2,data=8", "--context", "ring", "--model.seq-len", "512",
+                                   "--model.attention-kernel", "flash", "--batch-size", "16")
+    rows = collectives(compiled, mesh=strategy.mesh)
+    block = 16 // 8 * (cfg.seq_len // 2) * cfg.embed_dim * 4  # one device's K (or V): [rows, T/c, H, hd] fp32
+    sends = [r for r in rows if r.kind == "collective-permute" and r.phase == "forward" and r.bytes == block]
+    # Forward: K and V each take c - 1 = 1 step around the ring in every layer.
+    assert len(sends) == 2 * cfg.num_layers and all(r.axes == ("context",) for r in sends)
+
+
+def test_ulysses_context_exchanges_heads_for_the_sequence_around_flash():
+    compiled, strategy, cfg = plan("--mesh", "context=4,data=4", "--context", "ulysses", "--model.seq-len", "512",
+                                   "--model.attention-kernel", "flash", "--batch-size", "16")
+    assert "tpu_custom_call" in compiled.as_text()  # flash, a Mosaic call, between the all-to-alls
+    rows = collectives(compiled, mesh=strategy.mesh)
+    shard = 16 // 4 * (cfg.seq_len // 4) * cfg.embed_dim * 4  # one device's [rows, T/c, D] fp32
+    a2a = [r for r in rows if r.kind == "all-to-all" and r.phase == "forward"]
+    # Forward: q, k and v to whole sequences of a quarter of the heads, and the output back, each layer.
+    assert len(a2a) == 4 * cfg.num_layers and {(r.axes, r.bytes) for r in a2a} == {(("context",), shard)}

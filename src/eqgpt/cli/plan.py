@@ -177,18 +177,21 @@ def search(cfg: TrainConfig, slice_, devices, *, top: int, log) -> dict:
     order = ranked(choices, model_cfg, slice_, cfg.batch_size, estimate_of, hbm)
     log(f"--mesh auto: {len(choices)} meshes and flag sets, {len(order)} fit by the memory estimate; "
         f"compiling the {min(top, len(order))} fastest by a rough time, and fsdp={len(devices)}")
-    baseline = Candidate((("fsdp", len(devices)),), "fsdp", (), cfg.model.remat)
-    rows = []
-    for c in [*order[:top], baseline]:
+    baseline = Candidate((("fsdp", len(devices)),), "fsdp", (), cfg.model.remat or "none")
+    rows, compiled_ok = [], 0
+    for c in [*order[: 2 * top], baseline]:
+        if c is not baseline and compiled_ok >= top:
+            continue
         sub = candidate_config(cfg, c)
         try:
             compiled, strategy, mcfg, pol = compiled_plan(sub, slice_, devices)
             rec = record_of(sub, slice_, compiled, strategy, mcfg, pol)
         except DoesNotFit as e:
             rec = {"error": str(e)}
-        except ValueError as e:
-            rec = {"error": f"refused: {e}"}
+        except (ValueError, TypeError) as e:  # the strategy refuses it, or JAX cannot trace it
+            rec = {"error": f"refused: {str(e).splitlines()[0]}"}
         rec["candidate"] = {"mesh": c.mesh, "args": c.args(), "baseline": c is baseline, "estimate": c.estimate}
+        compiled_ok += "refused" not in rec.get("error", "")
         log(f"  {c.mesh} {' '.join(c.args()[4:])}: "
             + (f"MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else rec["error"][:160]))
         rows.append(rec)

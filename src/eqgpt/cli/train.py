@@ -501,10 +501,6 @@ def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
 
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
-    if cfg.compile_only or cfg.slice:
-        from eqgpt.cli.plan import plan_main
-
-        return plan_main(cfg)
     t0 = time.perf_counter()
     check_run_flags(cfg)  # before start-up: an error is the only output, not mixed with the backend's
     compile_cache = start_jax(cfg)
@@ -628,10 +624,19 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
+def start(cfg: TrainConfig) -> dict:
+    """`main`; with --compile-only (or --slice), eqgpt-plan's report instead (`eqgpt.cli.plan`): nothing trains."""
+    if cfg.compile_only or cfg.slice:
+        from eqgpt.cli.plan import plan_main
+
+        return plan_main(cfg)
+    return main(cfg)
+
+
 def run(args: list[str] | None = None) -> None:
     """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status 1."""
     restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
-    summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
+    summary = exit_on_user_error(lambda: start(parse_flags(args)), args=args)
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
 
 

@@ -1,7 +1,7 @@
 """The mesh search of `eqgpt-plan --mesh auto`: candidates, pruned by memory, ranked for compiling.
 
 `candidates` lists the factorisations of a slice's devices over `data`, `fsdp`, `tensor` (with
-sequence parallelism), `pipeline` (1F1B), `context` (ring, for long sequences) and `expert` (MoE
+sequence parallelism), `pipeline` (1F1B), `context` (ring, for sequences beyond 8192) and `expert` (MoE
 models), each with remat `none` or `full` and, for pure data parallelism, ZeRO-1. It keeps those
 the strategy accepts for the batch and whose memory estimate (`eqgpt.profile.estimate`, from
 shapes, nothing compiled) fits 90% of a device's HBM, and orders them by a rough analytic step
@@ -45,7 +45,7 @@ class Candidate:
 
     def args(self) -> list[str]:
         """The eqgpt-train flags of this candidate."""
-        out = ["--mesh", self.mesh, "--strategy", self.rules, "--model.remat", self.remat]
+        out = ["--mesh", self.mesh, "--strategy", self.rules, "--model.remat", self.remat or "none"]
         for k, v in self.flags:
             out += [f"--{k}", v]
         return out
@@ -64,8 +64,8 @@ def mesh_choices(cfg: GPTConfig, devices: int, batch_size: int) -> list[Candidat
     heads, kv = cfg.num_heads, cfg.kv_heads
     out = []
     tensors = [t for t in _powers(min(devices, 16)) if heads % t == 0 and kv % t == 0]
-    pipes = [p for p in (1, 2, 4, 8) if cfg.num_layers % p == 0 and devices % p == 0]
-    contexts = [1, 2, 4] if cfg.seq_len >= 8192 else [1]
+    pipes = [p for p in (1, 2, 4) if cfg.num_layers % p == 0 and devices % p == 0]
+    contexts = [1, 2, 4] if cfg.seq_len > 8192 else [1]
     experts = [e for e in _powers(devices) if cfg.moe is not None and cfg.moe.num_experts % e == 0] or [1]
     for t, p, c, e in itertools.product(tensors, pipes, contexts, experts):
         rest = devices // (t * p * c * e) if devices % (t * p * c * e) == 0 else 0
