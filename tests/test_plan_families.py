@@ -9,6 +9,8 @@ compile per family (tens of seconds each); skipped, with the reason, where libtp
 
 from __future__ import annotations
 
+import math
+
 import equinox as eqx
 import jax
 import pytest
@@ -107,3 +109,19 @@ def test_ulysses_context_exchanges_heads_for_the_sequence_around_flash():
     a2a = [r for r in rows if r.kind == "all-to-all" and r.phase == "forward"]
     # Forward: q, k and v to whole sequences of a quarter of the heads, and the output back, each layer.
     assert len(a2a) == 4 * cfg.num_layers and {(r.axes, r.bytes) for r in a2a} == {(("context",), shard)}
+
+
+def _elements(shape: str) -> int:
+    """Elements of an HLO array type such as `bf16[8,2,128,128]`."""
+    return math.prod(int(n) for n in shape[shape.index("[") + 1: -1].split(",") if n)
+
+
+def test_expert_parallel_dropless_moe_dispatches_and_combines_once_a_layer():
+    compiled, strategy, cfg = plan("--mesh", "expert=4,data=4", "--model.preset", "moe-nano", "--model.dropless",
+                                   "True", "--batch-size", "32")
+    rows = collectives(compiled, mesh=strategy.mesh)
+    a2a = [r for r in rows if r.kind == "all-to-all" and r.phase == "forward"]
+    # Dropless: each device's rows have room for every token at every expert, exchanged there and back.
+    room = cfg.moe.num_experts * (32 // 16) * cfg.seq_len * cfg.embed_dim
+    assert len(a2a) == 2 * cfg.num_layers and all(r.axes == ("expert",) for r in a2a)
+    assert {_elements(s) for r in a2a for s in r.shapes} == {room}

@@ -175,12 +175,12 @@ def search(cfg: TrainConfig, slice_, devices, *, top: int, log) -> dict:
 
     choices = mesh_choices(model_cfg, len(devices), cfg.batch_size)
     order = ranked(choices, model_cfg, slice_, cfg.batch_size, estimate_of, hbm)
-    log(f"--mesh auto: {len(choices)} meshes and flag sets, {len(order)} fit by the memory estimate; "
-        f"compiling the {min(top, len(order))} fastest by a rough time, and fsdp={len(devices)}")
-    baseline = Candidate((("fsdp", len(devices)),), "fsdp", (), cfg.model.remat or "none")
+    log(f"--mesh auto: {len(choices)} meshes and flag sets, {len(order)} within the memory estimate's slack; "
+        f"compiling the {top} fastest by a rough time that trace, and fsdp={len(devices)} (remat none, full)")
+    baselines = [Candidate((("fsdp", len(devices)),), "fsdp", (), remat) for remat in ("none", "full")]
     rows, compiled_ok = [], 0
-    for c in [*order[: 2 * top], baseline]:
-        if c is not baseline and compiled_ok >= top:
+    for c in [*order, *baselines]:  # refusals are cheap (at trace time): go down the ranking
+        if c not in baselines and (compiled_ok >= top or c.sizes == baselines[0].sizes):
             continue
         sub = candidate_config(cfg, c)
         try:
@@ -190,7 +190,7 @@ def search(cfg: TrainConfig, slice_, devices, *, top: int, log) -> dict:
             rec = {"error": str(e)}
         except (ValueError, TypeError) as e:  # the strategy refuses it, or JAX cannot trace it
             rec = {"error": f"refused: {str(e).splitlines()[0]}"}
-        rec["candidate"] = {"mesh": c.mesh, "args": c.args(), "baseline": c is baseline, "estimate": c.estimate}
+        rec["candidate"] = {"mesh": c.mesh, "args": c.args(), "baseline": c in baselines, "estimate": c.estimate}
         compiled_ok += "refused" not in rec.get("error", "")
         log(f"  {c.mesh} {' '.join(c.args()[4:])}: "
             + (f"MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else rec["error"][:160]))

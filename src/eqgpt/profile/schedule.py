@@ -113,13 +113,10 @@ class _Flops:
             return 2 * math.prod(ins.arrays[0][1]) * contracted
         if ins.opcode == "convolution" and ins.conv is not None and ins.arrays and len(ins.operands) > 1:
             return self._convolution(comp, ins)
-        total = 0
-        for role, callee in ins.called:
-            if callee not in self.module.comps or role == "condition":
-                continue
-            times = (ins.trip_count or 1) if ins.opcode == "while" else 1
-            total += times * self.computation(callee)
-        return total
+        called = [self.computation(c) for role, c in ins.called if c in self.module.comps and role != "condition"]
+        if ins.opcode == "conditional":  # one branch runs: the costliest bounds it
+            return max(called, default=0)
+        return ((ins.trip_count or 1) if ins.opcode == "while" else 1) * sum(called)
 
     def _convolution(self, comp: str, ins: _Instr) -> int:
         """TPU compiles matmuls as convolutions, some with spatial dimensions that stand for batch
