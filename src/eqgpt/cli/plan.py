@@ -225,12 +225,20 @@ def search_text(fitting: list[dict], rows: list[dict], command: str | None) -> s
     return table_text(table, width=140) + tail
 
 
-def run(args: list[str] | None = None) -> None:
-    """The console script `eqgpt-plan`: flags -> `plan_main`; a user error is one line and exit status 1."""
+def run(args: list[str] | None = None, *, from_trainer: bool = False) -> None:
+    """The console script `eqgpt-plan` (and `eqgpt-train --compile-only`, `from_trainer`, where --slice
+    has no default): flags -> `plan_main`; a user error is one line and exit status 1."""
     import tyro
 
-    import_modules(imports_in(sys.argv[1:] if args is None else args))
-    exit_on_user_error(lambda: plan_main(tyro.cli(PlanConfig, args=args)), args=args)
+    argv = sys.argv[1:] if args is None else args
+    import_modules(imports_in(argv))
+
+    def plan():
+        if from_trainer and not any(a.split("=")[0] == "--slice" for a in argv):
+            raise ValueError("--compile-only needs --slice, e.g. --slice v5e-16 (the TPU slice to compile for).")
+        return plan_main(tyro.cli(PlanConfig, args=args))
+
+    exit_on_user_error(plan, args=args)
 
 
 if __name__ == "__main__":

@@ -345,6 +345,9 @@ def check_run_flags(cfg: TrainConfig) -> None:
         if getattr(cfg, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}.")
     check_numbers(cfg)
+    if cfg.compile_only or cfg.slice:  # the console script hands these to eqgpt.cli.plan (eqgpt.cli.entry)
+        raise ValueError("--compile-only and --slice belong to the eqgpt-train console script (or eqgpt-plan); "
+                         "run `eqgpt-train --compile-only --slice v5e-16 ...`.")
     for name in ("out_dir", "checkpoint_dir"):
         path = getattr(cfg, name)
         if path is not None and Path(path).exists() and not Path(path).is_dir():
@@ -624,19 +627,10 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
-def start(cfg: TrainConfig) -> dict:
-    """`main`; with --compile-only (or --slice), eqgpt-plan's report instead (`eqgpt.cli.plan`): nothing trains."""
-    if cfg.compile_only or cfg.slice:
-        from eqgpt.cli.plan import plan_main
-
-        return plan_main(cfg)
-    return main(cfg)
-
-
 def run(args: list[str] | None = None) -> None:
     """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status 1."""
     restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
-    summary = exit_on_user_error(lambda: start(parse_flags(args)), args=args)
+    summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)
     sys.exit(summary.get("exit_code") or (PREEMPTED_EXIT_CODE if summary["interrupted"] else 0))
 
 
