@@ -30,6 +30,7 @@ TINY = eqgpt.GPTConfig(vocab_size=256, seq_len=128, num_layers=2, num_heads=4, e
                        scan_layers=False)
 
 
+@pytest.mark.slow
 def test_step_lowers_from_shapes_to_the_program_it_compiles_from_arrays():
     strategy = ParallelFlags(mesh="data=2,fsdp=4", rules="dp+fsdp").strategy()
     policy, optimizer = Policy(), make_optimizer(1e-3)
@@ -85,6 +86,7 @@ def test_collective_formulas():
     assert collective_seconds("all-gather", 1e6, 1, "ICI", w, w) == 0.0
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_is_refused_with_the_trainers_error():
     from eqgpt.train.fit import DoesNotFit
 
