@@ -95,9 +95,10 @@ def test_ring_context_passes_each_key_value_block_around_the_ring():
                                    "--model.attention-kernel", "flash", "--batch-size", "16")
     rows = collectives(compiled, mesh=strategy.mesh)
     block = 16 // 8 * (cfg.seq_len // 2) * cfg.embed_dim * 4  # one device's K (or V): [rows, T/c, H, hd] fp32
-    sends = [r for r in rows if r.kind == "collective-permute" and r.phase == "forward" and r.bytes == block]
-    # Forward: K and V each take c - 1 = 1 step around the ring in every layer.
-    assert len(sends) == 2 * cfg.num_layers and all(r.axes == ("context",) for r in sends)
+    sends = [r for r in rows if r.kind == "collective-permute" and r.phase == "forward" and r.bytes % block == 0]
+    # Forward: K and V each take c - 1 = 1 step around the ring in every layer (however XLA combines them).
+    assert sum(r.total_bytes for r in sends) == 2 * cfg.num_layers * block
+    assert all(r.axes == ("context",) for r in sends)
 
 
 def test_ulysses_context_exchanges_heads_for_the_sequence_around_flash():
