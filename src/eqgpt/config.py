@@ -196,6 +196,12 @@ PRESETS: dict[str, GPTConfig] = {
     # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (shape of a ~1B model).
     "llama-1b": GPTConfig(vocab_size=32000, seq_len=2048, num_layers=16, num_heads=32,
                           num_kv_heads=8, embed_dim=2048, mlp_dim=5632, rope_theta=500000.0, **_LLAMA),
+    # Llama 3 shapes (Grattafiori et al. 2024, "The Llama 3 Herd of Models", table 3), for planning
+    # (eqgpt-plan): 128,256-token vocabulary, 8192 positions, GQA with 8 key/value heads.
+    "llama-8b": GPTConfig(vocab_size=128256, seq_len=8192, num_layers=32, num_heads=32, num_kv_heads=8,
+                          embed_dim=4096, mlp_dim=14336, rope_theta=500000.0, **{**_LLAMA, "norm_eps": 1e-5}),
+    "llama-70b": GPTConfig(vocab_size=128256, seq_len=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                           embed_dim=8192, mlp_dim=28672, rope_theta=500000.0, **{**_LLAMA, "norm_eps": 1e-5}),
     # Mixtral 8x7B's shape (Jiang et al. 2024): 8 SwiGLU experts, top-2, every layer.
     "mixtral-8x7b": GPTConfig(vocab_size=32000, seq_len=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                               embed_dim=4096, mlp_dim=14336, rope_theta=1e6,

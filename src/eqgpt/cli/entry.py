@@ -19,9 +19,15 @@ def quiet_native_logs(args: list[str] | None = None) -> None:
 
 
 def train() -> None:
-    """`eqgpt.cli.train.run`, after the restart."""
+    """`eqgpt.cli.train.run`, after the restart; with --compile-only, `eqgpt.cli.plan.run` (eqgpt-plan's
+    report for --slice: nothing trains)."""
     restart_with_malloc_tunables()
     quiet_native_logs()
+    if any(a.split("=")[0] == "--compile-only" for a in sys.argv[1:]):
+        from eqgpt.cli.plan import run as plan
+
+        plan(from_trainer=True)
+        return
     from eqgpt.cli.train import run
 
     run()

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import jax
-
 import eqgpt
 from eqgpt.config import scans_by_default
 from eqgpt.nn.factory import get_block
 from eqgpt.nn.kernels import get_kernel
+from eqgpt.nn.kernels.platform import target_platform
 
 
 @dataclass
@@ -109,7 +108,7 @@ class ModelConfig:
             if moe:
                 overrides["moe"] = dataclasses.replace(base.moe or eqgpt.MoEConfig(), **moe)
             layers = overrides.get("num_layers", base.num_layers)
-            scan = self.scan_layers or scans_by_default(layers, jax.default_backend())
+            scan = self.scan_layers or scans_by_default(layers, target_platform())
             return base.replace(scan_layers=scan, **overrides)
         except ValueError as e:  # name the flags the user gave
             raise ValueError(f"{e} (from --model.preset {self.preset}{given})") from None

@@ -184,6 +184,11 @@ class TrainConfig:
     verbose: bool = False
     ("Show what is kept out of the console by default: XLA's C++ log lines (TF_CPP_MIN_LOG_LEVEL) and JAX's "
      "warning that donated batch buffers were not reused.")
+    compile_only: bool = False
+    ("Compile the training step for --slice from shapes and report memory, collectives and a predicted step time "
+     "(eqgpt-plan, docs/course/18-planning-for-a-pod.md); trains nothing.")
+    slice: str | None = None
+    """With --compile-only: the TPU slice to compile for, e.g. v5e-16, v5p-128, 2xv5e-256 (needs eqgpt[tpu-plan])."""
     log: Literal["jsonl", "tensorboard"] = "jsonl"
     ("'tensorboard': also write TensorBoard events to OUT/tb (pip install 'eqgpt[tensorboard]'); metrics.jsonl is "
      "always written.")
@@ -419,6 +424,9 @@ def check_run_flags(cfg: TrainConfig) -> None:
         if getattr(cfg, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}.")
     check_numbers(cfg)
+    if cfg.compile_only or cfg.slice:  # the console script hands these to eqgpt.cli.plan (eqgpt.cli.entry)
+        raise ValueError("--compile-only and --slice belong to the eqgpt-train console script (or eqgpt-plan); "
+                         "run `eqgpt-train --compile-only --slice v5e-16 ...`.")
     for name in ("out_dir", "checkpoint_dir"):
         path = getattr(cfg, name)
         if path is not None and str(path) in ("", "."):  # '' parses as '.': an unset shell variable, most likely

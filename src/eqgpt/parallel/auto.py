@@ -99,6 +99,19 @@ def _is_array_like(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def put(tree: PyTree, shardings: Any) -> PyTree:
+    """`jax.device_put(tree, shardings)`, where a `jax.ShapeDtypeStruct` leaf (a shape without data, as
+    the planner compiles from) becomes one carrying its sharding instead of being moved."""
+
+    shape_only = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    if not any(shape_only(x) for x in jax.tree.leaves(tree, is_leaf=shape_only)):
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda s, x: x if s is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shardings, tree, is_leaf=lambda s: s is None or isinstance(s, jax.sharding.Sharding))
+
+
 def param_specs(model: PyTree, rules: Rules, overrides: Overrides = None, *, mesh: Mesh | None = None) -> PyTree:
     """A `PartitionSpec` for every array of `model` (a concrete or `eqx.filter_eval_shape` model).
 
@@ -213,7 +226,7 @@ def place_model(model: PyTree, mesh: Mesh, rules: Rules, overrides: Overrides = 
     shardings = param_shardings(model, mesh, rules, overrides)
     dynamic, static = _split(model)
     dyn_shardings = _only_shardings(shardings)
-    placed = jax.device_put(dynamic, dyn_shardings)
+    placed = put(dynamic, dyn_shardings)
     return with_constraints(eqx.combine(placed, static), mesh, rules, overrides)
 
 
@@ -322,7 +335,7 @@ def place_opt_state(
 ) -> PyTree:
     """Move an existing optimizer state to `opt_state_shardings`. **Returns:** the placed state."""
     shardings = opt_state_shardings(opt_state, model, mesh, rules, overrides)
-    return jax.device_put(opt_state, shardings)
+    return put(opt_state, shardings)
 
 
 def init_opt_state_sharded(

@@ -66,12 +66,12 @@ class ParallelFlags:
             if (part := getattr(self, name)) is not None:
                 part.before_backend()
 
-    def strategy(self) -> Strategy:
+    def strategy(self, devices: list[jax.Device] | None = None) -> Strategy:
         """The `eqgpt.parallel.Strategy` (without --mesh: one device, or with several processes
-        data parallelism over all their devices)."""
+        data parallelism over all their devices); its mesh over `devices` (default: all)."""
         parts = self.parts()
         mesh = self.mesh or ("data=-1" if jax.process_count() > 1 else "")
-        return Strategy(make_mesh(mesh) if mesh else None, self.rules, parts=parts)
+        return Strategy(make_mesh(mesh, devices) if mesh else None, self.rules, parts=parts)
 
     @classmethod
     def from_flags(cls, values: dict[str, Any]) -> ParallelFlags:

@@ -54,6 +54,10 @@ class Placement(Protocol):
 
 
 def _global_rows(x: Any, sharding_of: Callable[[int, tuple[int, ...]], jax.sharding.Sharding]) -> jax.Array:
+    """One global array from this process's rows; a `jax.ShapeDtypeStruct` (shapes only) stays one, with
+    its sharding (its rows are already the global batch's)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_of(x.ndim, tuple(x.shape)))
     x = np.asarray(x)
     global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
     return jax.make_array_from_process_local_data(sharding_of(x.ndim, global_shape), x, global_shape)

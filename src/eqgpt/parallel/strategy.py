@@ -39,8 +39,9 @@ from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
 from eqgpt.data.batch import Batch
+from eqgpt.nn.kernels.platform import compiling_for, platform_of
 from eqgpt.nn.loss import lm_batch_loss
-from eqgpt.parallel.auto import check_divisibility
+from eqgpt.parallel.auto import _is_array_like, check_divisibility, put
 from eqgpt.parallel.part import KINDS, GradFn, LossFn, Part, Update
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
 from eqgpt.parallel.rules import Rules, preset_rules
@@ -59,8 +60,8 @@ _SPACES = {"device": jax.memory.Space.Device, "pinned_host": jax.memory.Space.Ho
 
 def _place_in(tree: PyTree, kind: str) -> PyTree:
     """Outside `jit`: each array of `tree` moved to its own sharding's memory `kind`."""
-    arrays, static = eqx.partition(tree, eqx.is_array)
-    return eqx.combine(jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), arrays), static)
+    arrays, static = eqx.partition(tree, _is_array_like)
+    return eqx.combine(jax.tree.map(lambda x: put(x, x.sharding.with_memory_kind(kind)), arrays), static)
 
 
 def _transfer(tree: PyTree, kind: str) -> PyTree:
@@ -319,7 +320,7 @@ class Strategy:
         automatically (a Pallas kernel: `eqgpt.nn.kernels.mesh`) can map itself over its axes."""
 
         def on_mesh(*args, **kwargs):
-            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), compiling_for(platform_of(self.mesh)):
                 return fn(*args, **kwargs)
 
         return on_mesh

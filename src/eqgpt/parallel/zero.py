@@ -52,7 +52,7 @@ from jaxtyping import Array, PyTree
 
 from eqgpt.nn.axes import NoConstraint, map_constraints
 from eqgpt.nn.loss import lm_batch_loss
-from eqgpt.parallel.auto import _is_array_like, like_params, param_specs
+from eqgpt.parallel.auto import _is_array_like, like_params, param_specs, put
 from eqgpt.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -136,7 +136,7 @@ class ZeroPlacement(ShardedPlacement):
 
     def place_opt_state(self, opt_state: PyTree, model: PyTree) -> PyTree:
         """An existing optimizer state moved to the ZeRO layout."""
-        return jax.device_put(opt_state, self.opt_state_shardings(opt_state, model))
+        return put(opt_state, self.opt_state_shardings(opt_state, model))
 
     def __repr__(self) -> str:
         return f"ZeroPlacement(mesh={dict(self.mesh.shape)}, rules={self.rules.name!r})"

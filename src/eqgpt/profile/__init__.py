@@ -21,7 +21,14 @@ from eqgpt.profile.collectives import (
 )
 from eqgpt.profile.estimate import Estimate, estimate
 from eqgpt.profile.memory import MemoryReport, memory, memory_table
-from eqgpt.profile.schedule import ScheduledCollective, ScheduleSummary, schedule, schedule_summary, schedule_table
+from eqgpt.profile.schedule import (
+    ScheduledCollective,
+    ScheduleSummary,
+    matmul_flops,
+    schedule,
+    schedule_summary,
+    schedule_table,
+)
 
 
 def report(compiled: Any, *, mesh: Any = None, by_phase: bool = True, title: str = "") -> str:
@@ -44,5 +51,5 @@ def report(compiled: Any, *, mesh: Any = None, by_phase: bool = True, title: str
 __all__ = [
     "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary",
     "collective_table", "total_bytes", "Estimate", "estimate", "MemoryReport", "memory", "memory_table", "report",
-    "ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table",
+    "ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table", "matmul_flops",
 ]

@@ -20,6 +20,7 @@ expansion rules; `Collective.replica_groups` is always the explicit groups.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -72,6 +73,9 @@ class Instr:
     groups: tuple[tuple[int, ...], ...] = ()  # device groups, or (source, target) pairs
     pairs: bool = False
     contracting: tuple[int, ...] = ()  # of a dot: the left operand's contracting dimensions
+    conv: tuple[str, str, str, tuple[int, ...]] | None = None  # of a convolution (text): dim labels, window
+    value: int | None = None  # of an integer scalar constant (read from text)
+    direction: str = ""  # of a compare (read from text)
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,37 @@ def module_from_proto(serialized: bytes) -> Module:
     return Module(comps, entry, roots)
 
 
+def _counted_trips(module: Module, caller: list[Instr], loop: Instr) -> int | None:
+    """The trip count of a `while` whose condition is `counter < N` with a constant N and whose body
+    adds a constant step to the counter (the loops XLA:TPU writes for windowed matmuls carry no
+    `known_trip_count`); the counter starts at its constant initial value, else 0. `None` otherwise."""
+    called = dict(loop.called)
+    cond = {i.name: i for i in module.comps.get(called.get("condition"), [])}
+    root = cond.get(module.roots.get(called.get("condition"), ""))
+    if root is None or root.opcode != "compare" or root.direction != "LT" or len(root.operands) != 2:
+        return None
+    counter, bound = (cond.get(o) for o in root.operands)
+    if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.value is None:
+        return None
+    body = {i.name: i for i in module.comps.get(called.get("body"), [])}
+    out = body.get(module.roots.get(called.get("body"), ""))
+    step = None
+    if out is not None and out.opcode == "tuple" and counter.index < len(out.operands):
+        add = body.get(out.operands[counter.index])
+        if add is not None and add.opcode == "add":
+            step = next((c.value for c in (body.get(o) for o in add.operands) if c is not None and c.value), None)
+    if not step or step < 0:
+        return None
+    names = {i.name: i for i in caller}
+    init = names.get(loop.operands[0]) if loop.operands else None
+    start = None
+    if init is not None and init.opcode == "tuple" and counter.index < len(init.operands):
+        first = names.get(init.operands[counter.index])
+        start = first.value if first is not None else None
+    trips = -(-(bound.value - (start or 0)) // step)
+    return trips if trips > 0 else None
+
+
 def is_collective(opcode: str) -> bool:
     base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
     return base in KINDS
@@ -361,12 +396,19 @@ def _text_instr(line: str) -> tuple[Instr, bool] | None:
     groups, pairs = _text_groups(attrs) if is_collective(opcode) else ((), False)
     param = int(operands[0]) if opcode == "parameter" and operands and operands[0].isdigit() else None
     contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs) if opcode == "dot" else None
+    labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", attrs) if opcode == "convolution" else None
+    window = re.search(r"window=\{size=([0-9x]+)", attrs) if labels else None
+    value = re.fullmatch(r"constant\((-?\d+)\)", rest[:end]) if opcode == "constant" else None
+    direction = re.search(r"direction=([A-Z]+)", attrs) if opcode == "compare" else None
     return Instr(
         name=name, opcode=opcode, arrays=_text_arrays(type_), is_tuple=type_.startswith("("),
         operands=() if opcode == "parameter" else operands, called=_text_called(attrs),
         trip_count=int(trip.group(1)) if trip else None, index=int(index.group(1)) if index else None,
         param=param, op_name=meta.group(1) if meta else "", groups=groups, pairs=pairs,
         contracting=tuple(_int_list(contracting.group(1))) if contracting else (),
+        conv=(*labels.group(1, 2, 3), tuple(int(w) for w in window.group(1).split("x")) if window else ())
+        if labels else None,
+        value=int(value.group(1)) if value else None, direction=direction.group(1) if direction else "",
     ), is_root
 
 
@@ -382,7 +424,7 @@ def module_from_text(hlo: str) -> Module:
             if h.group(1):
                 entry = current
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":  # (a Pallas call's attributes span lines, some starting with "}}")
             current = None
             continue
         if current is not None:
@@ -395,7 +437,12 @@ def module_from_text(hlo: str) -> Module:
     for comp, instrs in comps.items():
         if comp not in roots and instrs:
             roots[comp] = instrs[-1].name
-    return Module(comps, entry, roots)
+    module = Module(comps, entry, roots)
+    for instrs in comps.values():
+        for k, ins in enumerate(instrs):
+            if ins.opcode == "while" and ins.trip_count is None:
+                instrs[k] = dataclasses.replace(ins, trip_count=_counted_trips(module, instrs, ins))
+    return module
 
 
 _WARNED_TEXT = False

@@ -112,13 +112,30 @@ class _Flops:
                 return 0
             contracted = math.prod(lhs.arrays[0][1][d] for d in ins.contracting)
             return 2 * math.prod(ins.arrays[0][1]) * contracted
-        total = 0
-        for role, callee in ins.called:
-            if callee not in self.module.comps or role == "condition":
-                continue
-            times = (ins.trip_count or 1) if ins.opcode == "while" else 1
-            total += times * self.computation(callee)
-        return total
+        if ins.opcode == "convolution" and ins.conv is not None and ins.arrays and len(ins.operands) > 1:
+            return self._convolution(comp, ins)
+        called = [self.computation(c) for role, c in ins.called if c in self.module.comps and role != "condition"]
+        if ins.opcode == "conditional":  # one branch runs: the costliest bounds it
+            return max(called, default=0)
+        return ((ins.trip_count or 1) if ins.opcode == "while" else 1) * sum(called)
+
+    def _convolution(self, comp: str, ins: Instr) -> int:
+        """TPU compiles matmuls as convolutions, some with spatial dimensions that stand for batch
+        dimensions (a window over padding): each output element sums over the kernel's input features
+        and, along each spatial dimension, over the window taps that meet real input (stride 1)."""
+        lhs, rhs = (self.tables[comp].get(o) for o in ins.operands[:2])
+        if lhs is None or rhs is None or not lhs.arrays or not rhs.arrays:
+            return 0
+        lhs_labels, rhs_labels, out_labels, window = ins.conv
+        lhs_shape, kernel, out = lhs.arrays[0][1], rhs.arrays[0][1], ins.arrays[0][1]
+        if len(lhs_labels) != len(lhs_shape) or len(rhs_labels) != len(kernel) or len(out_labels) != len(out):
+            return 0
+        flops = 2 * math.prod(out) * kernel[rhs_labels.index("i")]
+        for k, taps in enumerate(window):
+            d = str(k)
+            size, out_size = lhs_shape[lhs_labels.index(d)], out[out_labels.index(d)]
+            flops = flops * min(size, out_size) * taps // max(out_size, 1)
+        return flops
 
     @functools.cache  # noqa: B019 (one instance per report)
     def computation(self, comp: str) -> int:
@@ -167,6 +184,15 @@ def schedule(compiled: Any, mesh: Any = None) -> list[ScheduledCollective]:
     module = module_from_text(_text(compiled))
     flops = _Flops(module)
     return [_place(module, flops, row) for row in module_collectives(module, mesh)]
+
+
+def matmul_flops(compiled: Any) -> int:
+    """Matmul FLOPs of one call of a compiled program, per device: its `dot`s and convolutions (TPU
+    compiles matmuls as convolutions), inside fusions, calls and loops (times their trip counts).
+    Unlike XLA's `cost_analysis()`, a loop body counts once per iteration; a custom call (a Pallas
+    kernel) counts 0."""
+    module = module_from_text(_text(compiled))
+    return _Flops(module).computation(module.entry) if module.entry else 0
 
 
 def schedule_summary(rows: Sequence[ScheduledCollective], *, bandwidth: float | None = None,

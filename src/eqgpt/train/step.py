@@ -16,6 +16,7 @@ import optax
 from jaxtyping import Array, PyTree
 
 from eqgpt.data.batch import Batch
+from eqgpt.nn.kernels.platform import compiling_for, platform_of
 from eqgpt.parallel.offload import Offload
 from eqgpt.parallel.strategy import GradFn, Strategy
 from eqgpt.precision import Policy
@@ -110,6 +111,10 @@ def make_train_step(
     update = strategy.sharded_update(apply_update)
 
     def step(state: TrainState, batch: Batch):
+        with compiling_for(platform_of(strategy.mesh)):  # kernels for the mesh's devices, not the host's
+            return traced_step(state, batch)
+
+    def traced_step(state: TrainState, batch: Batch):
         if scaling and state.loss_scale is None:
             raise ValueError("this policy scales the loss: create the state with "
                              "TrainState(..., loss_scale=policy.loss_scale_state()).")
@@ -141,3 +146,22 @@ def make_train_step(
     # buffer to the step's output, so under offload the step donates nothing.
     donate = donate and strategy.part(Offload) is None
     return eqx.filter_jit(step, donate="all" if donate else "none")
+
+
+def lower_from_shapes(step_fn: Callable, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+    """`step_fn.lower(state, batch)` for a `make_train_step` step whose state and batch may hold
+    `jax.ShapeDtypeStruct`s (with shardings) in place of arrays: "will it fit" as a compile, with
+    nothing allocated, on any devices (the planner's compile-only TPU devices, `eqgpt.plan`).
+
+    The step's own traced body is lowered, with the same donation; only its `jit` wrapper differs
+    (`eqx.filter_jit` would take shapes for static values).
+    """
+    body = getattr(step_fn, "__wrapped__", step_fn)
+    leaf = lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    dynamic, static = eqx.partition((state, batch), leaf)
+
+    def run(dynamic):
+        return eqx.filter(body(*eqx.combine(dynamic, static)), eqx.is_array)
+
+    donate = (0,) if getattr(step_fn, "donate_first", True) else ()
+    return jax.jit(run, donate_argnums=donate).lower(dynamic)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 
 Kernel = Callable[..., object]
@@ -78,8 +77,11 @@ def get_kernel(kernel: str | Kernel) -> Kernel:
 
 
 def auto_kernel_name(mask, q_len: int, k_len: int, dtype, platform: str | None = None) -> str:
-    """The built-in kernel `auto` runs for these shapes on `platform` (default: JAX's backend)."""
-    platform = jax.default_backend() if platform is None else platform
+    """The built-in kernel `auto` runs for these shapes on `platform` (default: the platform being traced
+    for, `eqgpt.nn.kernels.platform.target_platform`)."""
+    from eqgpt.nn.kernels.platform import target_platform
+
+    platform = target_platform() if platform is None else platform
     if platform == "tpu":
         from eqgpt.nn.kernels.splash import supports
         from eqgpt.nn.kernels.typed import can_call_pallas

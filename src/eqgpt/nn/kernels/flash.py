@@ -31,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.kernels.mesh import on_local_shards
+from eqgpt.nn.kernels.platform import interpret
 from eqgpt.nn.kernels.splash import LANES, check_lengths, local_splash, splash_attention
 from eqgpt.nn.mask import CausalMask, Mask
 
@@ -227,7 +228,7 @@ def _local_attention(q, k, v, q_seg, k_seg, *, scale):
     b, t, h, d = q.shape
     flat = lambda x: x.reshape(b, t, h * d)  # noqa: E731  (a free reshape: heads side by side)
     block = math.gcd(BLOCK, t)
-    out = causal_flash(flat(q), flat(k), flat(v), d, block, scale, jax.default_backend() != "tpu")
+    out = causal_flash(flat(q), flat(k), flat(v), d, block, scale, interpret())
     return out.reshape(q.shape)
 
 

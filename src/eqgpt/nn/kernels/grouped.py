@@ -23,6 +23,7 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.sharding import get_abstract_mesh
 from jaxtyping import Array, Float, Int
 
+from eqgpt.nn.kernels.platform import interpret, target_platform
 from eqgpt.nn.kernels.typed import can_call_pallas, in_manual_region, typed_call
 
 GROUPED_KERNELS = ("auto", "ragged_dot", "megablox")
@@ -36,7 +37,7 @@ def default_tile(k: int, n: int) -> tuple[int, int, int]:
 
 def auto_grouped_kernel(platform: str | None = None) -> str:
     """The kernel `auto` runs here: `megablox` on TPU unless GSPMD would have to split it."""
-    platform = jax.default_backend() if platform is None else platform
+    platform = target_platform() if platform is None else platform
     mesh = get_abstract_mesh()
     automatic = any(mesh.shape[a] > 1 and a not in mesh.manual_axes for a in mesh.axis_names)
     return "megablox" if platform == "tpu" and not automatic and can_call_pallas() else "ragged_dot"
@@ -47,7 +48,7 @@ def _megablox(x, w, sizes, tile):
     pad = -m % tile[0]
     x = jnp.pad(x, ((0, pad), (0, 0)))
     sizes = sizes.at[-1].add(pad)  # padded rows join the last group, and are dropped below
-    out = gmm(x, w, sizes, x.dtype, tile, None, None, False, jax.default_backend() != "tpu")
+    out = gmm(x, w, sizes, x.dtype, tile, None, None, False, interpret())
     return out[:m]
 
 

@@ -30,7 +30,9 @@ def _mesh_split(batch: int, heads: int, kv_heads: int):
         if a != head_axis and rows % mesh.shape[a] == 0:
             split.append(a)
             rows //= mesh.shape[a]
-    return mesh, tuple(split) or None, head_axis, frozenset(auto)
+    # The shard_map takes every axis still automatic, size 1 too: a Mosaic call lowers only where
+    # every mesh axis is manual.
+    return mesh, tuple(split) or None, head_axis, frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
 
 
 def on_local_shards(local, q, k, v, q_seg, k_seg):

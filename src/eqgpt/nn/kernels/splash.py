@@ -31,6 +31,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jaxtyping import Array, Float, Int
 
 from eqgpt.nn.kernels.mesh import on_local_shards
+from eqgpt.nn.kernels.platform import interpret
 from eqgpt.nn.mask import CausalMask, DocumentMask, FullMask, Mask, SlidingWindowMask
 
 LANES = 128  # splash tiles are multiples of the TPU's 128 lanes
@@ -124,7 +125,7 @@ def local_splash(q, k, v, q_seg, k_seg, *, kind, window, scale):
     """Splash attention on one device's arrays (no mesh): `[b, t, h, d]` in, out; `kind` "causal", "local" or "full"."""
     b, t, h, d = q.shape
     s = k.shape[1]
-    kernel = _kernel(kind, window, h, t, s, block_sizes(min(t, s), d, q.dtype), jax.default_backend() != "tpu")
+    kernel = _kernel(kind, window, h, t, s, block_sizes(min(t, s), d, q.dtype), interpret())
     heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
     q = heads_first(q * jnp.asarray(scale, q.dtype))  # splash takes no scale: pre-scale q (exact for d = 4^n)
     k, v = heads_first(k), heads_first(v)

@@ -1,0 +1,105 @@
+"""Planning for a slice we do not have (`eqgpt.plan`, `eqgpt-plan`).
+
+On CPU: the step lowers from shapes (`lower_from_shapes`) to the same program as from arrays;
+kernels follow the platform being compiled for; the slice catalogue; the step-time model's
+collective formulas. With libtpu (the `tpu-plan` extra, which CI installs): every strategy
+family compiles for a v5e-16 through XLA:TPU, fits, and its collective inventory and matmul
+FLOPs equal the analytic counts (`test_plan_families.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import eqgpt
+from eqgpt.data.batch import Batch
+from eqgpt.nn import GPT
+from eqgpt.nn.kernels import auto_kernel_name
+from eqgpt.nn.kernels.platform import compiling_for, interpret, target_platform
+from eqgpt.nn.mask import CausalMask
+from eqgpt.parallel import ParallelFlags
+from eqgpt.plan.compile import compile_step
+from eqgpt.plan.model import collective_seconds
+from eqgpt.plan.slices import CHIPS, SLICES, parse_slice
+from eqgpt.profile import collective_summary, memory
+from eqgpt.train import Policy, TrainState, make_optimizer, make_train_step
+
+TINY = eqgpt.GPTConfig(vocab_size=256, seq_len=128, num_layers=2, num_heads=4, embed_dim=128, tie_embeddings=False,
+                       scan_layers=False)
+
+
+@pytest.mark.slow
+def test_step_lowers_from_shapes_to_the_program_it_compiles_from_arrays():
+    strategy = ParallelFlags(mesh="data=2,fsdp=4", rules="dp+fsdp").strategy()
+    policy, optimizer = Policy(), make_optimizer(1e-3)
+    make = lambda k: GPT(TINY, key=k)  # noqa: E731
+    from_shapes = compile_step(TINY, strategy, policy, optimizer, batch_size=16)
+    model = strategy.init_model(make, jax.random.key(0))
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=jax.random.key(1))
+    batch = strategy.batch(Batch.from_windows(np.zeros((16, TINY.seq_len + 1), np.int32)))
+    step = make_train_step(optimizer, strategy=strategy, policy=policy, model_like=model)
+    from_arrays = step.lower(state, batch).compile()
+    shapes, arrays = memory(from_shapes), memory(from_arrays)
+    # The same arguments, and outputs up to a few scalars (the key and counters a compiled-from-arrays
+    # step returns as fresh buffers).
+    assert shapes.argument_bytes == arrays.argument_bytes
+    assert abs(shapes.output_bytes - arrays.output_bytes) <= 16
+    summary = lambda c: [(r.kind, r.axes, r.bytes) for r in collective_summary(c, mesh=strategy.mesh)]  # noqa: E731
+    assert summary(from_shapes) == summary(from_arrays) != []
+
+
+def test_shape_batches_carry_the_strategy_sharding():
+    strategy = ParallelFlags(mesh="data=8", rules="dp").strategy()
+    windows = jax.ShapeDtypeStruct((16, 9), np.int32)
+    batch = strategy.batch(jax.eval_shape(Batch.from_windows, windows))
+    assert isinstance(batch.tokens, jax.ShapeDtypeStruct) and batch.tokens.shape == (16, 8)
+    assert batch.tokens.sharding == strategy.batch(Batch.from_windows(np.zeros((16, 9), np.int32))).tokens.sharding
+
+
+def test_kernels_follow_the_platform_compiled_for():
+    assert target_platform() == "cpu" and interpret()
+    assert auto_kernel_name(CausalMask(), 1024, 1024, np.dtype("float32")) == "blockwise"
+    with compiling_for("tpu"):
+        assert target_platform() == "tpu" and not interpret()
+        assert auto_kernel_name(CausalMask(), 1024, 1024, jax.numpy.bfloat16) in ("flash", "splash")
+    assert target_platform() == "cpu"
+
+
+def test_slice_catalogue_names_shapes_and_wraparound():
+    assert [parse_slice(n).chips for n in SLICES] == [16, 256, 64, 64, 16, 512]
+    s = parse_slice("v5e-256")
+    assert s.topology_name == "v5e:16x16" and s.wraps(16) and not s.wraps(8)
+    assert parse_slice("2xv5e-256").num_slices == 2 and parse_slice("v5p-128").topology_name == "v5p:4x4x4"
+    with pytest.raises(ValueError, match="--slice"):
+        parse_slice("v5e-12")
+    assert CHIPS["v5e"].peak_flops == 1.97e14 and CHIPS["v6e"].ici_bandwidth == 9e10
+
+
+def test_collective_formulas():
+    w = CHIPS["v5e"].ici_bandwidth
+    # ring all-gather of V bytes over n devices moves (n-1)/n V per device; all-reduce twice that
+    assert collective_seconds("all-gather", 16e6, 16, "ICI", 2 * w, w) == pytest.approx(15e6 / (2 * w))
+    assert collective_seconds("all-reduce", 16e6, 16, "ICI", 2 * w, w) == pytest.approx(30e6 / (2 * w))
+    assert collective_seconds("collective-permute", 1e6, 2, "ICI", 2 * w, w) == pytest.approx(1e6 / w)
+    assert collective_seconds("all-gather", 1e6, 1, "ICI", w, w) == 0.0
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_fit_is_refused_with_the_trainers_error():
+    from eqgpt.train.fit import DoesNotFit
+
+    strategy = ParallelFlags(mesh="data=8", rules="dp").strategy()
+    with pytest.raises(DoesNotFit, match=r"needs 0\.\d+ GiB of device memory \(0\.00 GiB available\)\. To fit, try"):
+        compile_step(TINY, strategy, Policy(), make_optimizer(1e-3), batch_size=16, hbm_bytes=1024)
+
+
+def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
+    import eqgpt.cli.plan as cli_plan
+
+    monkeypatch.setattr(cli_plan, "has_libtpu", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        cli_plan.run(["--slice", "v5e-16", "--mesh", "fsdp=16"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "\n" not in err and "pip install 'eqgpt[tpu-plan]'" in err
