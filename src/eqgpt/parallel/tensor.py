@@ -56,7 +56,7 @@ from eqgpt.nn.axes import REGION_INPUT, ActivationHook, AxisNames, map_constrain
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
-from eqgpt.nn.moe import Experts
+from eqgpt.nn.moe import Experts, MoEStats
 from eqgpt.parallel.auto import param_specs, path_str
 from eqgpt.parallel.collective_matmul import (
     column_matmul,
@@ -378,8 +378,8 @@ def vocab_parallel_loss_sums(
     chunk_size: int = 128,
     axis: str = "tensor",
     sequence_parallel: bool = False,
-) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
-    """Sums of the next-token NLL and of `lse^2`, and the token count, of a swapped model.
+) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""], MoEStats | None]:
+    """Sums of the next-token NLL and of `lse^2`, the token count and MoE statistics, of a swapped model.
 
     Runs inside `shard_map` on a model returned by `tensor_parallel`, read through
     the `eqgpt.nn.LanguageModel` protocol (`embed`, `run_blocks`, `norm`,
