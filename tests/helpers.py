@@ -57,3 +57,31 @@ def compiled_step(config, strategy, *, rows: int = 8):
     windows = np.asarray(jax.random.randint(jax.random.key(1), (rows, config.seq_len + 1), 0, config.vocab_size))
     step = make_train_step(optimizer, strategy=strategy, model_like=model, donate=False)
     return step.lower(state, strategy.batch(Batch.from_windows(windows))).compile(), model
+
+
+class UnfusedHead(eqgpt.nn.LanguageModel):
+    """A `GPT` without `head_matrix`: `eqgpt.nn.lm_loss` takes the chunked head through `GPT.logits`."""
+
+    gpt: eqgpt.nn.GPT
+
+    @property
+    def blocks(self):
+        return self.gpt.blocks
+
+    def embed(self, tokens, positions):
+        return self.gpt.embed(tokens, positions)
+
+    def run_blocks(self, x, positions, segment_ids=None):
+        return self.gpt.run_blocks(x, positions, segment_ids)
+
+    def norm(self, h):
+        return self.gpt.norm(h)
+
+    def logits(self, h):
+        return self.gpt.logits(h)
+
+    def logical_sizes(self):
+        return self.gpt.logical_sizes()
+
+    def features_and_stats(self, tokens, **kw):
+        return self.gpt.features_and_stats(tokens, **kw)

@@ -19,7 +19,7 @@ from eqgpt.data import Batch
 from eqgpt.nn.loss import chunked_cross_entropy, head_loss_sums
 from eqgpt.parallel.zero import manual_zero_grad_fn
 from eqgpt.precision import Policy
-from helpers import assert_within
+from helpers import UnfusedHead, assert_within
 
 B, T, D, V = 2, 13, 8, 11  # 13 positions: chunks of 4 pad the last one
 TOL = 1e-5
@@ -83,17 +83,6 @@ def test_lm_loss_z_loss():
     assert_within(rel_err(aux["nll"], nll), TOL, "nll")
     assert_within(rel_err(aux["z_loss"], z), TOL, "z-loss")
 
-
-class UnfusedHead(eqx.Module):
-    """A GPT without `head_matrix`, so `lm_loss` takes the chunked (unfused) head."""
-
-    gpt: nn.GPT
-
-    def features(self, tokens, **kw):
-        return self.gpt.features(tokens, **kw)
-
-    def logits(self, h):
-        return self.gpt.logits(h)
 
 
 @pytest.mark.parametrize("head", ["unfused", "fused"])

@@ -19,6 +19,7 @@ from eqgpt.parallel import Manual, Strategy, make_mesh
 from eqgpt.parallel.context import Context, strip_context_attention
 from eqgpt.sample import generate
 from eqgpt.train import load_model, save_model
+from helpers import UnfusedHead
 
 try:  # as tests/test_interop.py: only the tests that need torch skip without it
     import torch
@@ -87,17 +88,6 @@ def test_padded_size_and_gpt2_presets():
     assert "vocab_pad_multiple" not in eqgpt.preset("nano").architecture()
     assert eqgpt.preset("gpt2-small").architecture()["vocab_pad_multiple"] == 128
 
-
-class UnfusedHead(eqx.Module):
-    """A GPT without `head_matrix`: `lm_loss` takes the chunked head through `GPT.logits`."""
-
-    gpt: nn.GPT
-
-    def features(self, tokens, **kw):
-        return self.gpt.features(tokens, **kw)
-
-    def logits(self, h):
-        return self.gpt.logits(h)
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["tied", "untied"])

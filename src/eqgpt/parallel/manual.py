@@ -116,7 +116,7 @@ class _Plan:
                              "reduce-scatter into ring steps.")
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
-        self.max_len = getattr(model_like, "seq_len", None)
+        self.max_len = model_like.seq_len
         self.aux_keys = ("nll", "z_loss", *(MOE_METRICS if moe_layers(model_like) else ()))
         self.specs = tensor_parallel_specs(model_like, mesh)
         self.array_specs = eqx.filter(self.specs, is_spec, is_leaf=is_spec)

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from eqgpt.nn.axes import ActivationHook
+from eqgpt.nn.gpt import GPT
 from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import entry_axes, is_spec
@@ -255,9 +256,10 @@ def prefetch_axes(strategy: Any) -> tuple[str, ...]:
 
 def install_prefetch(model: PyTree, strategy: Any) -> PyTree:
     """`model` whose `shard` hook is a `PrefetchStack` for `strategy` (unchanged when the
-    strategy splits no weights over a `WEIGHT_AXES` axis, or the model has no `shard` and `blocks`)."""
+    strategy splits no weights over a `WEIGHT_AXES` axis, or the model is not a `GPT`, which runs
+    its layer stack through that hook)."""
     axes = prefetch_axes(strategy)
-    if not axes or not (hasattr(model, "shard") and hasattr(model, "blocks")):
+    if not axes or not isinstance(model, GPT):
         return model
     specs = param_specs(model, strategy.param_rules, strategy.overrides, mesh=strategy.mesh).blocks
     arrays = jax.tree.leaves(eqx.filter(model.blocks, eqx.is_array))

@@ -399,9 +399,7 @@ def vocab_parallel_loss_sums(
     """
     positions = jnp.arange(tokens.shape[1])
     x = model.embed(tokens, positions)
-    run = getattr(model, "run_blocks_with_stats", None)
-    x, stats = run(x, positions, segment_ids) if run is not None else (model.run_blocks(x, positions, segment_ids),
-                                                                       None)
+    x, stats = model.run_blocks_with_stats(x, positions, segment_ids)
     hidden = model.norm(x)
     hidden = enter_region(hidden, axis, sequence_parallel)
 

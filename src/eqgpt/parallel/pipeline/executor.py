@@ -752,8 +752,7 @@ class PipelineGradFn:
             specs = param_specs(eqx.filter(model, eqx.is_array), self.rules, mesh=mesh)
         block_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
         rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
-        moe = getattr(model, "moe", None)  # the MoE accessors of `eqgpt.nn.LanguageModel`
-        moe_layers = getattr(model, "num_moe_layers", 0)
+        moe, moe_layers = model.moe, model.num_moe_layers  # the MoE accessors of `eqgpt.nn.LanguageModel`
         step = _make_step(_StepContext(
             mesh, schedule, static, block_axes, rest_axes, width, self.policy, self.chunk_size, self.z_loss,
             seq_axes=seq_axes, moe=moe, moe_layers=moe_layers, padded=padded, bucket_bytes=self.bucket_bytes,
