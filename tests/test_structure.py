@@ -79,3 +79,49 @@ def test_the_recipe_main_is_short():
     tree = ast.parse((ROOT / "src" / "eqgpt" / "cli" / "train.py").read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     assert main.end_lineno - main.lineno + 1 <= 60
+
+
+PARALLEL = SRC / "eqgpt" / "parallel"
+
+
+def eqgpt_imports(source: str) -> set[str]:
+    """The eqgpt modules `source` imports anywhere: module level, function bodies, `TYPE_CHECKING` blocks."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eqgpt"):
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("eqgpt")}
+    return found
+
+
+def parallel_parts() -> dict[str, list[pathlib.Path]]:
+    """Each part of `eqgpt.parallel` (a module, or a package, defining a `Part`) -> its files."""
+    parts = {}
+    for path in PARALLEL.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.ClassDef) and any(getattr(b, "id", None) == "Part" for b in n.bases)
+               for n in tree.body):
+            top = path.relative_to(PARALLEL).parts[0]
+            files = [path] if path.parent == PARALLEL else sorted((PARALLEL / top).rglob("*.py"))
+            parts[top.removesuffix(".py")] = files
+    return parts
+
+
+def test_the_import_scan_sees_every_place_an_import_hides():
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eqgpt.a import X\n"
+              "import eqgpt.b\ndef f():\n    from eqgpt.c import y\n    class K:\n        import eqgpt.d\n")
+    assert {"eqgpt.a", "eqgpt.b", "eqgpt.c", "eqgpt.d"} <= eqgpt_imports(source)
+
+
+def test_no_part_imports_another_parts_module_anywhere():
+    parts = parallel_parts()
+    assert {"pipeline", "context", "expert", "zero", "manual", "offload", "overlap"} <= set(parts), sorted(parts)
+    crossing = []
+    for part, files in parts.items():
+        others = {f"eqgpt.parallel.{o}" for o in parts if o != part}
+        for path in files:
+            for module in eqgpt_imports(path.read_text()):
+                if any(module == o or module.startswith(o + ".") for o in others):
+                    crossing.append(f"{path.relative_to(PARALLEL)} imports {module}")
+    assert crossing == []

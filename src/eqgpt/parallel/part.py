@@ -142,6 +142,14 @@ class Part:
         applies every kind's (`KINDS`) before placing a model, so it needs to know none."""
         return model
 
+    def split_sequence_in_stages(self, mesh: Any, model: PyTree,
+                                 fields: dict[str, Array]) -> tuple[PyTree, dict[str, Array], Array]:
+        """For a part that runs the layers itself inside its own manual region (a pipeline's
+        stages): `(model, fields, positions)` with the sequence split over `sequence_axis` as
+        this part splits it (the batch's fields laid out, the attention kernels swapped; the
+        same arrays). Only parts with a `sequence_axis` are asked."""
+        raise NotImplementedError(f"{self.name} splits no sequence.")
+
     def memory_kind(self, strategy: Any, what: Literal["params", "opt_state"]) -> str | None:
         """The memory kind `what` lives in between steps (choice; e.g. `"pinned_host"`), or `None`:
         device memory. `Strategy` moves it there and, for each step, to the device and back."""

@@ -7,20 +7,25 @@ tree does not change) and the loss is the sequence-sharded one (`context_loss_fn
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from eqgpt.nn.attention import Attention
 from eqgpt.parallel.context.kernel import DEFAULT_BLOCK, IMPLS, Impl
-from eqgpt.parallel.context.layout import check_layout
+from eqgpt.parallel.context.layout import check_layout, layout_batch
 from eqgpt.parallel.context.loss import context_loss_fn, context_rules
 from eqgpt.parallel.context.model import strip_context_attention, use_context_attention
 from eqgpt.parallel.context.ulysses import kv_replication
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import Rules
+
+_log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,25 @@ class Context(Part):
     @classmethod
     def unprepare(cls, model: PyTree) -> PyTree:
         return strip_context_attention(model)
+
+    def split_sequence_in_stages(self, mesh: Any, model: PyTree,
+                                 fields: dict[str, Array]) -> tuple[PyTree, dict[str, Array], Array]:
+        fields = layout_batch(fields, mesh.shape[self.axis], self.ordering)
+        positions = fields.pop("positions")
+        return use_context_attention(model, mesh, self._in_stage()), fields, positions  # the same arrays
+
+    def _in_stage(self) -> "Context":
+        """What a pipeline stage runs: all-gather for ring (its permutes cannot run inside a stage's
+        branch; see eqgpt.parallel.pipeline.executor); all-gather and Ulysses as they are (their
+        groups are one stage's context peers)."""
+        if self.impl in ("allgather", "ulysses"):
+            return self
+        if self.impl not in _LOGGED:
+            _LOGGED.add(self.impl)
+            _log.warning("pipeline x context: attention inside a stage runs as all-gather, not %s (a ring's "
+                         "permutes cannot run inside the stage's branch; see eqgpt.parallel.pipeline.executor).",
+                         self.impl)
+        return dataclasses.replace(self, impl="allgather")
 
     def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         if strategy.mesh.shape.get(self.axis, 1) < 2:
