@@ -44,6 +44,7 @@ from eqgpt.nn.factory import factory_path, import_modules
 from eqgpt.nn.kernels import auto_kernel_name
 from eqgpt.nn.mask import make_mask
 from eqgpt.parallel import ParallelFlags
+from eqgpt.parallel.flags import tyro_registry
 from eqgpt.profile.flops import flops_per_token, peak_flops
 from eqgpt.sample import generate_text, on_one_device
 from eqgpt.train import (
@@ -604,7 +605,7 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
     """The command line; with --resume, flags left out default to the continued run's (its config.json).
     Every --import is imported first, so that its kernels, blocks and presets are names the flags accept."""
     import_modules(imports_in(sys.argv[1:] if args is None else args))
-    cfg = tyro.cli(TrainConfig, args=args)
+    cfg = tyro.cli(TrainConfig, args=args, registry=tyro_registry())
     if not cfg.resume:
         return cfg
     try:
@@ -613,7 +614,7 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
         return cfg  # main says why
     if not saved.is_file():
         return cfg
-    cfg = tyro.cli(TrainConfig, args=args,
+    cfg = tyro.cli(TrainConfig, args=args, registry=tyro_registry(),
                    default=config_from_json(TrainConfig, json.loads(saved.read_text())["recipe"]))
     import_modules(cfg.imports)  # the continued run's own
     return cfg
