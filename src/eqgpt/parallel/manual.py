@@ -145,7 +145,7 @@ class _Plan:
             keyed.append(((ax, TENSOR in split) if ax else (), 4 * local))  # as bucketed_all_reduce groups them
         return all_reduce_count(keyed, None), all_reduce_count(keyed, self.bucket_bytes)
 
-    def check_batch(self, batch: Batch) -> None:
+    def check_batch(self, batch: Any) -> None:
         if not isinstance(batch, Batch):
             raise ValueError(f"the manual path takes an eqgpt.data.Batch, got {type(batch).__name__}; "
                              "Batch.from_windows splits [batch, seq + 1] token windows.")
@@ -276,7 +276,7 @@ def manual_grad_fn(
     mapped = plan.mapped(grad=True)
     before, after = plan.all_reduce_counts(model_like)
 
-    def grad_fn(model: PyTree, batch: Batch, loss_scale=None) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
+    def grad_fn(model: PyTree, batch: Any, loss_scale=None) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
         """**Arguments:** the plain model, a `Batch` and optionally the dynamic loss scale.
         **Returns:** `((loss, aux), grads)`."""
         plan.check_batch(batch)
@@ -305,7 +305,7 @@ def manual_loss_fn(
     plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy, collective_matmul)
     mapped = plan.mapped(grad=False)
 
-    def loss_fn(model: PyTree, batch: Batch) -> tuple[Array, dict[str, Array]]:
+    def loss_fn(model: PyTree, batch: Any) -> tuple[Array, dict[str, Array]]:
         """**Arguments:** the plain model and a `Batch`. **Returns:** `(loss, aux)`."""
         plan.check_batch(batch)
         return mapped(model, batch)

@@ -195,7 +195,7 @@ class RowParallelLinear(eqx.Module):
     sequence_parallel: bool = eqx.field(static=True, default=False)
     collective_matmul: bool = eqx.field(static=True, default=False)
 
-    def __call__(self, x: Float[Array, "*batch in_shard"]) -> Float[Array, "*batch out_features"]:
+    def __call__(self, x: Float[Array, "*batch in_shard"]) -> Float[Array, "... out_features"]:  # SP: seq/n
         """**Arguments:** `x`, this device's input features. **Returns:** the full output
         (under SP this device's sequence shard of it)."""
         w = self.linear.weight.astype(x.dtype)
