@@ -9,20 +9,19 @@ SRC = ROOT / "src"
 
 
 def module_imports() -> dict[str, set[str]]:
-    """eqgpt module -> the eqgpt modules it imports (at any depth of its code)."""
+    """eqgpt module -> the eqgpt modules it imports when it runs (at any depth of its code; not
+    the `if TYPE_CHECKING:` imports, which only name types)."""
     names = {}
     for path in (SRC / "eqgpt").rglob("*.py"):
         name = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
         names[name] = path
     graph = {}
     for name, path in names.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eqgpt"):
-                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("eqgpt")}
-        graph[name] = {d for d in deps if d in names and d != name}
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                node.body = []
+        graph[name] = {d for d in eqgpt_imports(tree) if d in names and d != name}
     return graph
 
 
@@ -84,10 +83,10 @@ def test_the_recipe_main_is_short():
 PARALLEL = SRC / "eqgpt" / "parallel"
 
 
-def eqgpt_imports(source: str) -> set[str]:
+def eqgpt_imports(source: str | ast.AST) -> set[str]:
     """The eqgpt modules `source` imports anywhere: module level, function bodies, `TYPE_CHECKING` blocks."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eqgpt"):
             found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):

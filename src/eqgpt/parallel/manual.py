@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -56,6 +56,9 @@ from eqgpt.parallel.tensor import (
     vocab_parallel_loss_sums,
 )
 from eqgpt.precision import Policy, scale_value
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 TENSOR = "tensor"
 
@@ -356,10 +359,10 @@ class Manual(Part):
         if self.bucket_mb is not None:
             bucket_bytes_of(self.bucket_mb)  # > 0
 
-    def axes(self, strategy: Any) -> set[str]:
+    def axes(self, strategy: Strategy) -> set[str]:
         return {"data", TENSOR}
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         if not all(p.on_manual_path for p in strategy.parts):
             raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual "
                              "to combine pipeline or context parallelism (they run on the automatic path).")
@@ -373,13 +376,13 @@ class Manual(Part):
                 raise ValueError("collective_matmul (--collective-matmul) needs sequence parallelism: use 'sp' in "
                                  "--strategy (e.g. dp+sp); plain tp's all-reduce, decomposed, is SP's layout.")
 
-    def placement(self, strategy: Any, model_like: PyTree) -> ShardedPlacement:
+    def placement(self, strategy: Strategy, model_like: PyTree) -> ShardedPlacement:
         return manual_placement(strategy.mesh, model_like)
 
-    def batch_rules(self, strategy: Any) -> Rules:
+    def batch_rules(self, strategy: Strategy) -> Rules:
         return Rules(activations={"batch": "data"}, name="manual-batch")
 
-    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+    def check(self, strategy: Strategy, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         if moe_layers(model_like) and strategy.sequence_parallel:
             raise ValueError("the manual path runs MoE layers with data and tensor parallelism, not sequence "
                              "parallelism (the router needs the whole sequence); use --strategy dp+tp, or drop "
@@ -394,27 +397,27 @@ class Manual(Part):
             raise ValueError(f"sequence parallelism splits the sequence over tensor={tensor}"
                              f" devices; use a seq_len divisible by it (got {seq_len}).")
 
-    def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
+    def loss_fn(self, strategy: Strategy, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
         return manual_loss_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
                               chunk_size=chunk_size, z_loss=z_loss, collective_matmul=self.collective_matmul)
 
-    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+    def grad_fn(self, strategy: Strategy, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn:
         return manual_grad_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
                               chunk_size=chunk_size, z_loss=z_loss, policy=policy,
                               collective_matmul=self.collective_matmul, bucket_bytes=bucket_bytes_of(self.bucket_mb))
 
-    def notes(self, strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+    def notes(self, strategy: Strategy, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
         return [line] if (line := bucket_report(strategy, model_like)) is not None else []
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         extra = (["collective matmul"] if self.collective_matmul else []) + (
             [f"buckets {self.bucket_mb:g} MiB"] if self.bucket_mb is not None else [])
         return ", ".join(["manual", *extra])
 
 
-def bucket_report(strategy: Any, model_like: PyTree) -> str | None:
+def bucket_report(strategy: Strategy, model_like: PyTree) -> str | None:
     """One line for a run's log: the manual path's gradient all-reduces per step, without and
     with its buckets; `None` where the strategy has no manual path with buckets (a pipeline's
     count is in its compiled program: `eqgpt.profile.collectives`).

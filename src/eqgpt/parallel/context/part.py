@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 from jaxtyping import Array, PyTree
@@ -23,6 +23,9 @@ from eqgpt.parallel.context.model import strip_context_attention, use_context_at
 from eqgpt.parallel.context.ulysses import kv_replication
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import Rules
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 _log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
@@ -67,10 +70,10 @@ class Context(Part):
     def sequence_axis(self) -> str:
         return self.axis
 
-    def rules(self, strategy: Any, rules: Rules) -> Rules:
+    def rules(self, strategy: Strategy, rules: Rules) -> Rules:
         return rules if "context" in rules.axes("seq", "activations") else context_rules(rules)
 
-    def prepare(self, strategy: Any, model: PyTree) -> PyTree:
+    def prepare(self, strategy: Strategy, model: PyTree) -> PyTree:
         return use_context_attention(model, strategy.mesh, self,
                                      batch_axes=strategy.rules.axes("batch", "activations"))
 
@@ -97,7 +100,7 @@ class Context(Part):
                          self.impl)
         return dataclasses.replace(self, impl="allgather")
 
-    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+    def check(self, strategy: Strategy, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         if strategy.mesh.shape.get(self.axis, 1) < 2:
             mesh = ",".join(f"{a}={n}" for a, n in strategy.mesh.shape.items() if n > 1)
             raise ValueError(f"--context {self.impl} splits the sequence over the mesh's '{self.axis}' axis, and "
@@ -109,11 +112,11 @@ class Context(Part):
             for attn in filter(is_attention, jax.tree.leaves(model_like, is_leaf=is_attention)):
                 kv_replication(attn.num_heads, attn.num_kv_heads, strategy.mesh.shape[self.axis])
 
-    def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
+    def loss_fn(self, strategy: Strategy, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
         return context_loss_fn(strategy.mesh, ordering=self.ordering, chunk_size=chunk_size, z_loss=z_loss)
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         return f"context {self.impl}"
 
 
