@@ -55,7 +55,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Runtime type checks of the whole package: the hook stays installed for the session, so a module
 # imported later (a kernel, a lazily imported part) is checked too, and every module is imported
 # under it now, before any test file imports one unchecked (test_typecheck asserts it).
-TYPECHECK_HOOK = install_import_hook("eqgpt", "beartype.beartype")
+TYPECHECK_HOOK = install_import_hook("eqgpt", "typechecker.check")  # tests/typechecker.py
 
 
 def import_every_module(package: str = "eqgpt") -> list[str]:

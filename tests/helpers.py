@@ -1,7 +1,10 @@
 """Small shared pieces for the tests: tiny configs and tree comparison."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 
 import eqgpt
@@ -85,3 +88,14 @@ class UnfusedHead(eqgpt.nn.LanguageModel):
 
     def features_and_stats(self, tokens, **kw):
         return self.gpt.features_and_stats(tokens, **kw)
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Runtime type checks off (`jaxtyping_disable`): for a test of the explicit `ValueError` a
+    wrongly typed argument gets where nothing checks types (outside this suite)."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
