@@ -87,7 +87,7 @@ def _spec_axes(spec: PartitionSpec) -> set[str]:
     return {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
 
 
-class _Plan:
+class _ManualPlan:
     """What `manual_grad_fn` and `manual_loss_fn` share: axes, specs, the per-device loss."""
 
     def __init__(self, model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
@@ -274,7 +274,7 @@ def manual_grad_fn(
     Raises `ValueError` (before compiling) for sizes the mesh cannot split, and
     for batches that are not a `Batch`, carry per-row `positions`, or do not split.
     """
-    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
+    plan = _ManualPlan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
                  collective_matmul, bucket_bytes)
     mapped = plan.mapped(grad=True)
     before, after = plan.all_reduce_counts(model_like)
@@ -305,7 +305,7 @@ def manual_loss_fn(
     Same arguments as `manual_grad_fn`; for validation, and to read the forward
     program's collectives.
     """
-    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy, collective_matmul)
+    plan = _ManualPlan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy, collective_matmul)
     mapped = plan.mapped(grad=False)
 
     def loss_fn(model: PyTree, batch: Any) -> tuple[Array, dict[str, Array]]:

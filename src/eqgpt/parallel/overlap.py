@@ -123,7 +123,7 @@ def _hoist(fn: Callable, *example: Any) -> tuple[Callable, list]:
     return explicit, list(closed.consts)
 
 
-class _Plan:
+class _PrefetchPlan:
     """What the custom VJP of one prefetched stack needs besides arrays (hashed by identity)."""
 
     def __init__(self, stack: PrefetchStack, layer: Callable, unroll: int | bool):
@@ -199,7 +199,7 @@ class _Plan:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _prefetched(plan: _Plan, x, leaves, *consts):
+def _prefetched(plan: _PrefetchPlan, x, leaves, *consts):
     return plan.forward(x, leaves, consts, keep=False)[0]
 
 
@@ -246,7 +246,7 @@ class PrefetchStack(ActivationHook):
             raise ValueError(f"PrefetchStack holds specs for {len(self.gathered)} arrays per layer, the stack "
                              f"has {len(leaves)}; install it with install_prefetch on the model it runs.")
         explicit, consts = _hoist(lambda h, weights: layer(h, tree.unflatten(weights)), x, [w[0] for w in leaves])
-        return _prefetched(_Plan(self, explicit, unroll), x, leaves, *consts)
+        return _prefetched(_PrefetchPlan(self, explicit, unroll), x, leaves, *consts)
 
 
 def prefetch_axes(strategy: Strategy) -> tuple[str, ...]:

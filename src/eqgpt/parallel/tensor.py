@@ -70,7 +70,6 @@ from eqgpt.parallel.sequence import check_sequence_length, gather_sequence, scat
 
 #: Logical weight names split over the tensor axis (the `tp` rules).
 TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "vocab")
-#: The activation names a module gives its input to say "a tensor-parallel region starts here".
 
 # ------------------------------------------------------------------ Megatron's f and g
 
@@ -146,8 +145,8 @@ def _check_whole_sequence(x: Array, seq_len: int | None, where: str) -> None:
         f"`{module}` never entered its tensor-parallel region. Under sequence parallelism the residual "
         "stream holds only this device's slice of the sequence, and a region starts by gathering it: call "
         f'`x = self.shard(x, ("batch", "inner_seq", "embed"))` at the input of `{module}` (a field '
-        "`shard: eqgpt.nn.NoConstraint`; one device and the automatic path are unchanged), or train "
-        "without sequence parallelism (drop `sp`)."
+        "`shard: eqgpt.nn.ActivationHook` holding `NoConstraint()`; one device and the automatic path are "
+        "unchanged), or train without sequence parallelism (drop `sp`)."
     )
 
 

@@ -71,7 +71,7 @@ class Context(Part):
         return self.axis
 
     def rules(self, strategy: Strategy, rules: Rules) -> Rules:
-        return rules if "context" in rules.axes("seq", "activations") else context_rules(rules)
+        return rules if self.axis in rules.axes("seq", "activations") else context_rules(rules, axis=self.axis)
 
     def prepare(self, strategy: Strategy, model: PyTree) -> PyTree:
         return use_context_attention(model, strategy.mesh, self,
@@ -106,7 +106,7 @@ class Context(Part):
             raise ValueError(f"--context {self.impl} splits the sequence over the mesh's '{self.axis}' axis, and "
                              f"--mesh {mesh} has none: add {self.axis}=N to --mesh (e.g. {self.axis}=2,data=4), "
                              "or drop --context.")
-        check_layout(seq_len, strategy.mesh.shape["context"], self.ordering)
+        check_layout(seq_len, strategy.mesh.shape[self.axis], self.ordering)
         if self.impl == "ulysses":
             is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
             for attn in filter(is_attention, jax.tree.leaves(model_like, is_leaf=is_attention)):
@@ -114,7 +114,8 @@ class Context(Part):
 
     def loss_fn(self, strategy: Strategy, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
-        return context_loss_fn(strategy.mesh, ordering=self.ordering, chunk_size=chunk_size, z_loss=z_loss)
+        return context_loss_fn(strategy.mesh, ordering=self.ordering, axis=self.axis, chunk_size=chunk_size,
+                               z_loss=z_loss)
 
     def describe(self, strategy: Strategy) -> str:
         return f"context {self.impl}"
