@@ -1,4 +1,4 @@
-"""Test set-up: 8 simulated CPU devices and runtime type checking of eqgpt.
+"""Test set-up: 8 simulated CPU devices and runtime type checking of all of eqgpt.
 
 Both must happen before JAX or eqgpt is imported, so they live here, as does the XLA:CPU
 optimisation level of every compile (below). Compiled
@@ -52,9 +52,23 @@ from jaxtyping import install_import_hook  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
-with install_import_hook("eqgpt", "beartype.beartype"):
-    import eqgpt  # noqa: F401
-    import eqgpt.nn  # noqa: F401
+# Runtime type checks of the whole package: the hook stays installed for the session, so a module
+# imported later (a kernel, a lazily imported part) is checked too, and every module is imported
+# under it now, before any test file imports one unchecked (test_typecheck asserts it).
+TYPECHECK_HOOK = install_import_hook("eqgpt", "typechecker.check")  # tests/typechecker.py
+
+
+def import_every_module(package: str = "eqgpt") -> list[str]:
+    """Import `package` and every module below it; their names."""
+    import importlib
+    import pkgutil
+
+    root = importlib.import_module(package)
+    return [package, *(importlib.import_module(m.name).__name__
+                       for m in pkgutil.walk_packages(root.__path__, f"{package}."))]
+
+
+EQGPT_MODULES = import_every_module()
 
 
 import pytest  # noqa: E402

@@ -1,12 +1,14 @@
 """Small shared pieces for the tests: tiny configs, tree comparison and the checks of a run against one device."""
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 
 import eqgpt
-from eqgpt import nn
 
 TINY = eqgpt.GPTConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=4, embed_dim=32)
 TINY_LLAMA = eqgpt.preset("llama-nano").replace(
@@ -78,7 +80,6 @@ def compiled_step(config, strategy, *, rows: int = 8):
     """The compiled training step (AdamW, donation off) of a `GPT(config)` under `strategy`, on
     `rows` random windows: what the compiled-program tests read their collectives from.
     **Returns** (the compiled step, the placed model)."""
-    import equinox as eqx
     import optax
 
     from eqgpt.data import Batch
@@ -94,13 +95,40 @@ def compiled_step(config, strategy, *, rows: int = 8):
     return step.lower(state, strategy.batch(Batch.from_windows(windows))).compile(), model
 
 
-class UnfusedHead(eqx.Module):
-    """A GPT without `head_matrix`, so `lm_loss` takes the chunked (unfused) head through `GPT.logits`."""
+class UnfusedHead(eqgpt.nn.LanguageModel):
+    """A `GPT` without `head_matrix`: `eqgpt.nn.lm_loss` takes the chunked head through `GPT.logits`."""
 
-    gpt: nn.GPT
+    gpt: eqgpt.nn.GPT
 
-    def features(self, tokens, **kw):
-        return self.gpt.features(tokens, **kw)
+    @property
+    def blocks(self):
+        return self.gpt.blocks
+
+    def embed(self, tokens, positions):
+        return self.gpt.embed(tokens, positions)
+
+    def run_blocks(self, x, positions, segment_ids=None):
+        return self.gpt.run_blocks(x, positions, segment_ids)
+
+    def norm(self, h):
+        return self.gpt.norm(h)
 
     def logits(self, h):
         return self.gpt.logits(h)
+
+    def logical_sizes(self):
+        return self.gpt.logical_sizes()
+
+    def features_and_stats(self, tokens, **kw):
+        return self.gpt.features_and_stats(tokens, **kw)
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Runtime type checks off (`jaxtyping_disable`): for a test of the explicit `ValueError` a
+    wrongly typed argument gets where nothing checks types (outside this suite)."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

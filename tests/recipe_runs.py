@@ -13,6 +13,8 @@ import numpy as np
 import tyro
 from filelock import FileLock
 
+from eqgpt.parallel.flags import tyro_registry
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # Layers scanned (`--model.scan-layers`), not unrolled as the recipe's default is for so shallow a model: the
 # suite's runs are compile-bound, and a run with its layers scanned takes 12-42% less time (docs/testing.md);
@@ -54,7 +56,7 @@ def write_documents(root: Path, n: int = 120, seed: int = 0) -> Path:
 
 def run_recipe(recipe, args: list[str]) -> list[dict]:
     """Run with `args` (plus --out-dir in args); **returns** the rows of metrics.jsonl."""
-    recipe.main(tyro.cli(recipe.TrainConfig, args=args))
+    recipe.main(tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=args))
     out = Path(args[args.index("--out-dir") + 1])
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

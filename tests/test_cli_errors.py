@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import tyro
 
+from eqgpt.parallel.flags import tyro_registry
 from recipe_runs import RECIPES, load_recipe
 
 BAD_TRAIN_FLAGS = [
@@ -32,7 +33,7 @@ BAD_TRAIN_FLAGS = [
 def test_numeric_train_flags_are_refused_naming_the_flag(args, flag):
     recipe = load_recipe()
     with pytest.raises(ValueError, match=flag) as e:
-        recipe.check_run_flags(tyro.cli(recipe.TrainConfig, args=args))
+        recipe.check_run_flags(tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=args))
     assert "\n" not in str(e.value) and "_" not in str(e.value).split(",")[0].split(" must")[0]
 
 
@@ -85,7 +86,7 @@ def test_parallel_errors_suggest_a_mesh_that_fits_the_flag(monkeypatch):
     recipe = load_recipe()
     monkeypatch.setattr(jax, "devices", lambda *a: jax.local_devices()[:1])  # a CPU without --cpu-devices
     with pytest.raises(ValueError, match=r"^--mesh data=8: .* --cpu-devices 8 --mesh data=8"):
-        recipe.strategy_of(tyro.cli(recipe.TrainConfig, args=["--mesh", "data=8"]))
+        recipe.strategy_of(tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=["--mesh", "data=8"]))
 
 
 def test_library_messages_get_the_flags_they_are_about():

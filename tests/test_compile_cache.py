@@ -11,6 +11,7 @@ import pytest
 import tyro
 
 from eqgpt.compile_cache import COMPILE_CACHE_BYTES
+from eqgpt.parallel.flags import tyro_registry
 from recipe_runs import RECIPES, load_recipe
 
 # In a fresh process (the cache must be set before the first compile, and this suite keeps
@@ -19,11 +20,12 @@ from recipe_runs import RECIPES, load_recipe
 CHILD = """
 import importlib.util, json, sys
 import jax, tyro
+from eqgpt.parallel.flags import tyro_registry
 spec = importlib.util.spec_from_file_location("recipe_cache_child", sys.argv[1])
 recipe = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = recipe
 spec.loader.exec_module(recipe)
-path = recipe.use_compile_cache(tyro.cli(recipe.TrainConfig, args=sys.argv[2:]))
+path = recipe.use_compile_cache(tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=sys.argv[2:]))
 hits = []
 jax.monitoring.register_event_listener(lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)
 f = lambda x: (x @ x.T).sum()
@@ -48,7 +50,7 @@ def test_recipe_caches_compiled_programs_by_default(tmp_path):
 
 def test_recipe_compile_cache_flags(tmp_path, monkeypatch):
     recipe = load_recipe()
-    parse = lambda *args: tyro.cli(recipe.TrainConfig, args=list(args))  # noqa: E731
+    parse = lambda *args: tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=list(args))  # noqa: E731
     assert parse("--compile-cache-dir", str(tmp_path)).compile_cache_dir == tmp_path
     assert recipe.use_compile_cache(parse("--no-compile-cache")) is None  # off: JAX's settings untouched
     assert os.environ["EQGPT_NO_COMPILE_CACHE"]  # how this suite keeps it off (tests/conftest.py)
@@ -66,4 +68,4 @@ def test_recipe_compile_cache_flags(tmp_path, monkeypatch):
 ])
 def test_recipe_scans_the_layers_of_deep_models(args, scanned):
     recipe = load_recipe()
-    assert tyro.cli(recipe.TrainConfig, args=args).model.build().scan_layers is scanned
+    assert tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=args).model.build().scan_layers is scanned

@@ -13,6 +13,7 @@ import tyro
 import eqgpt
 from eqgpt.parallel import Strategy, make_mesh
 from eqgpt.parallel.expert import all_to_all_bytes
+from eqgpt.parallel.flags import tyro_registry
 from eqgpt.profile import collectives
 from helpers import compiled_step
 from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
@@ -145,7 +146,7 @@ def test_bad_expert_settings_fail_before_compiling(flags, match, tmp_path):
     args = [*TINY, "--data.corpus", str(write_documents(tmp_path / "docs", n=4)), "--steps", "1",
             "--out-dir", str(tmp_path / "run"), *flags]
     with pytest.raises(ValueError, match=match):
-        load_recipe().main(tyro.cli(load_recipe().TrainConfig, args=args))
+        load_recipe().main(tyro.cli(load_recipe().TrainConfig, registry=tyro_registry(), args=args))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
 
 

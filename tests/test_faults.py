@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqgpt.parallel.flags import tyro_registry
 from eqgpt.train.checkpoint import Checkpointer, CorruptCheckpointError
 
 HERE = Path(__file__).parent
@@ -253,12 +254,12 @@ def test_recipe_flags_stop_code_and_strict_resume(tmp_path, capsys):
                       (["--allow-fresh"], "--allow-fresh applies to --resume only"),
                       (["--divergence-factor", "0.9"], "--divergence-factor must be above 1")):
         with pytest.raises(ValueError, match=flag):
-            recipe.main(tyro.cli(recipe.TrainConfig, args=[*base, *bad]))
+            recipe.main(tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=[*base, *bad]))
     assert not out.exists()  # refused before anything was written
 
     args = [*base, "--steps", "12", "--checkpoint-every", "4", "--max-skipped", "3", "--optim.lr", "1e30",
             "--optim.clip-norm", "0"]
-    summary = recipe.main(tyro.cli(recipe.TrainConfig, args=args))
+    summary = recipe.main(tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=args))
     printed = capsys.readouterr().out
     assert summary["exit_code"] == NON_FINITE_EXIT_CODE and summary["stopped"] == "non-finite", printed[-2000:]
     assert "stopped after step 4: 3 updates in a row were skipped" in printed and "exit status 76" in printed
@@ -268,4 +269,4 @@ def test_recipe_flags_stop_code_and_strict_resume(tmp_path, capsys):
     # The newest checkpoint damaged: --resume --strict refuses, naming the step and the file.
     damaged = corrupt("flipped bytes", out / "checkpoints" / "4")
     with pytest.raises(CorruptCheckpointError, match=rf"checkpoint 4 in .* is corrupt \(.*{damaged.name}"):
-        recipe.main(tyro.cli(recipe.TrainConfig, args=[*args, "--resume", "--strict"]))
+        recipe.main(tyro.cli(recipe.TrainConfig, registry=tyro_registry(), args=[*args, "--resume", "--strict"]))

@@ -26,6 +26,7 @@ from eqgpt.distributed import (
     resolve_settings,
 )
 from eqgpt.launch import free_port
+from eqgpt.parallel.flags import tyro_registry
 
 MP = Path(__file__).parent / "mp"
 sys.path.insert(0, str(MP.parent))
@@ -261,7 +262,7 @@ def _recipe_config(args):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return tyro.cli(module.TrainConfig, args=args)
+    return tyro.cli(module.TrainConfig, registry=tyro_registry(), args=args)
 
 
 def _blocks(kind):

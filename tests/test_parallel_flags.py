@@ -15,6 +15,7 @@ import pytest
 import tyro
 
 from eqgpt.parallel import Manual, ParallelFlags, Pipeline, Zero
+from eqgpt.parallel.flags import tyro_registry
 from eqgpt.parallel.part import Part
 from recipe_runs import load_recipe
 
@@ -43,7 +44,7 @@ class ToyFlags(ParallelFlags):
 
 def parse(*args: str, parallel: ParallelFlags | None = None):
     default = RECIPE.TrainConfig(parallel=parallel or ParallelFlags())
-    return tyro.cli(RECIPE.TrainConfig, args=list(args), default=default)
+    return tyro.cli(RECIPE.TrainConfig, registry=tyro_registry(), args=list(args), default=default)
 
 
 def test_a_toy_part_is_reached_from_the_recipe_flags():
@@ -70,7 +71,8 @@ def test_flags_round_trip_through_the_run_config():
     cfg = parse("--mesh", "pipeline=2,data=4", "--pipeline", "zb1", "--pipeline-layers", "3,1", "--context", "ring")
     saved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     assert RECIPE.config_from_json(RECIPE.TrainConfig, saved).parallel == cfg.parallel
-    resumed = tyro.cli(RECIPE.TrainConfig, args=["--microbatches", "8"], default=cfg)  # --resume's defaults
+    resumed = tyro.cli(RECIPE.TrainConfig, registry=tyro_registry(), args=["--microbatches", "8"],
+                       default=cfg)  # --resume's defaults
     assert resumed.parallel.pipeline == Pipeline("zb1", 8, layers_per_stage=(3, 1))
     old = {"mesh": "data=8", "strategy": "dp", "manual": True, "zero": 0, "microbatches": 4}  # before ParallelFlags
     assert RECIPE.config_from_json(RECIPE.TrainConfig, old).parallel.manual == Manual()
@@ -115,3 +117,24 @@ def test_the_recipe_logs_what_the_parts_say():
     manual = ParallelFlags.parse("data=8", "dp", manual=True, bucket_mb=0.01)
     assert manual.notes(model, (16, 32))[0].startswith("gradient all-reduces per step:")
     assert ParallelFlags.parse("data=8", "dp").notes(model, (16, 32)) == []
+
+
+def test_the_flat_flags_are_scoped_to_the_registry_passed_to_tyro():
+    """Importing eqgpt switches nothing on in tyro: without `registry=tyro_registry()` a
+    `ParallelFlags` field is tyro's own dataclass (`--parallel.rules`), not the flat `--strategy`."""
+
+    @dataclass(frozen=True)
+    class Config:
+        parallel: ParallelFlags = dataclasses.field(default_factory=ParallelFlags)
+
+    assert tyro.cli(Config, args=["--parallel.strategy", "fsdp"], registry=tyro_registry()).parallel.rules == "fsdp"
+    with pytest.raises(SystemExit):
+        tyro.cli(Config, args=["--parallel.strategy", "fsdp"])
+    assert tyro.cli(Config, args=["--parallel.rules", "fsdp"]).parallel.rules == "fsdp"
+
+
+def test_a_settings_help_is_the_docstring_below_its_field(capsys):
+    with pytest.raises(SystemExit):
+        tyro.cli(ToyFlags, args=["--help"], registry=tyro_registry())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "How big the toy is." in out

@@ -170,8 +170,8 @@ class UserBlock(eqx.Module):
         return x + self.attn(h, positions=positions, segment_ids=segment_ids) + self.mlp(h)
 
 
-class UserLM(eqx.Module):
-    """A language model of the user's own that is not a `GPT`: only the protocol's members."""
+class UserLM(nn.LanguageModel):
+    """A language model of the user's own that is not a `GPT`: only the contract's abstract members."""
 
     table: nn.Embedding
     blocks: UserBlock
@@ -205,10 +205,10 @@ class UserLM(eqx.Module):
     def logits(self, h):
         return self.head(h)
 
-    def features(self, tokens, *, segment_ids=None):
-        """For the single-device loss (`eqgpt.nn.lm_loss`); the pipeline does not read it."""
-        positions = jnp.arange(tokens.shape[1])
-        return self.norm(self.run_blocks(self.embed(tokens, positions), positions, segment_ids))
+    def logical_sizes(self):
+        vocab, dim = self.table.weight.shape
+        return {"vocab": vocab, "embed": dim, "heads": dim, "kv_heads": dim // 2, "mlp": 2 * dim,
+                "layers": nn.protocol.num_layers(self), "head_dim": dim // 4, "seq_len": 1 << 20}
 
 
 def test_a_users_own_model_runs_as_a_pipeline():

@@ -16,6 +16,7 @@ import eqgpt
 from eqgpt import nn
 from eqgpt import parallel as par
 from eqgpt.profile import collectives, memory
+from helpers import unchecked
 from parallel_cases import CONFIGS, OPTIONS, reference_model
 
 GPT_CFG = CONFIGS["gpt"]
@@ -73,7 +74,7 @@ def test_a_mesh_axis_is_used_once_per_spec():
     ],
 )
 def test_bad_rules_raise_value_error(make, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match), unchecked():  # as outside the suite: kind="weights" mistyped
         make()
 
 

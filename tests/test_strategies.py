@@ -22,6 +22,7 @@ import pytest
 import tyro
 from filelock import FileLock
 
+from eqgpt.parallel.flags import tyro_registry
 from recipe_runs import RECIPES, load_recipe, run_dir, shared_dir, subprocess_compile_cache
 
 # A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
@@ -193,5 +194,5 @@ def test_zero_bubble_checkpoint_restores_on_one_device(corpus, tmp_path, tmp_pat
 def test_bad_strategies_fail_before_compiling(flags, match, corpus, tmp_path):
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(tmp_path), "--steps", "1", *flags]
     with pytest.raises(ValueError, match=match):
-        RECIPE.main(tyro.cli(RECIPE.TrainConfig, args=args))
+        RECIPE.main(tyro.cli(RECIPE.TrainConfig, registry=tyro_registry(), args=args))
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran

@@ -165,3 +165,18 @@ def test_parallel_reads_no_model_config():
                  for i, line in enumerate(path.read_text().splitlines(), 1)
                  if "GPTConfig" in line or ".config." in line or '"config"' in line]
     assert offenders == []
+
+
+def test_context_splits_the_sequence_over_its_own_axis():
+    """`Context(axis=...)`: its rules, its check and its loss all use that axis (here `tensor`),
+    and the loss is one device's."""
+    strategy = Strategy(make_mesh("tensor=4,data=2"), "dp", parts=(Context("allgather", axis="tensor", block=4),))
+    assert strategy.rules.axes("seq", "activations") == ("tensor",)
+    model = GPT(TINY, key=jax.random.key(0))
+    strategy.check(model, batch_size=8, seq_len=TINY.seq_len)
+    with pytest.raises(ValueError, match="divisible"):
+        strategy.check(model, batch_size=8, seq_len=12)  # zigzag: 2 x 4 pieces
+    batch = Batch.from_windows(jax.random.randint(jax.random.key(1), (8, TINY.seq_len + 1), 0, 64))
+    want = Strategy().loss_fn()(model, batch)[0]
+    got = jax.jit(strategy.loss_fn())(strategy.place_model(model), strategy.batch(batch))[0]
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)

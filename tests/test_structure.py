@@ -9,20 +9,19 @@ SRC = ROOT / "src"
 
 
 def module_imports() -> dict[str, set[str]]:
-    """eqgpt module -> the eqgpt modules it imports (at any depth of its code)."""
+    """eqgpt module -> the eqgpt modules it imports when it runs (at any depth of its code; not
+    the `if TYPE_CHECKING:` imports, which only name types)."""
     names = {}
     for path in (SRC / "eqgpt").rglob("*.py"):
         name = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
         names[name] = path
     graph = {}
     for name, path in names.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eqgpt"):
-                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("eqgpt")}
-        graph[name] = {d for d in deps if d in names and d != name}
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                node.body = []
+        graph[name] = {d for d in eqgpt_imports(tree) if d in names and d != name}
     return graph
 
 
@@ -127,3 +126,49 @@ def test_the_size_check_counts_code_lines():
     source = 'def f():\n    """Doc\n\n    string."""\n    # a comment\n\n    x = 1\n    return x\n'
     node = ast.parse(source).body[0]
     assert code_lines(node, source.splitlines()) == 3  # `def`, `x = 1`, `return x`
+
+
+PARALLEL = SRC / "eqgpt" / "parallel"
+
+
+def eqgpt_imports(source: str | ast.AST) -> set[str]:
+    """The eqgpt modules `source` imports anywhere: module level, function bodies, `TYPE_CHECKING` blocks."""
+    found = set()
+    for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eqgpt"):
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("eqgpt")}
+    return found
+
+
+def parallel_parts() -> dict[str, list[pathlib.Path]]:
+    """Each part of `eqgpt.parallel` (a module, or a package, defining a `Part`) -> its files."""
+    parts = {}
+    for path in PARALLEL.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.ClassDef) and any(getattr(b, "id", None) == "Part" for b in n.bases)
+               for n in tree.body):
+            top = path.relative_to(PARALLEL).parts[0]
+            files = [path] if path.parent == PARALLEL else sorted((PARALLEL / top).rglob("*.py"))
+            parts[top.removesuffix(".py")] = files
+    return parts
+
+
+def test_the_import_scan_sees_every_place_an_import_hides():
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eqgpt.a import X\n"
+              "import eqgpt.b\ndef f():\n    from eqgpt.c import y\n    class K:\n        import eqgpt.d\n")
+    assert {"eqgpt.a", "eqgpt.b", "eqgpt.c", "eqgpt.d"} <= eqgpt_imports(source)
+
+
+def test_no_part_imports_another_parts_module_anywhere():
+    parts = parallel_parts()
+    assert {"pipeline", "context", "expert", "zero", "manual", "offload", "overlap"} <= set(parts), sorted(parts)
+    crossing = []
+    for part, files in parts.items():
+        others = {f"eqgpt.parallel.{o}" for o in parts if o != part}
+        for path in files:
+            for module in eqgpt_imports(path.read_text()):
+                if any(module == o or module.startswith(o + ".") for o in others):
+                    crossing.append(f"{path.relative_to(PARALLEL)} imports {module}")
+    assert crossing == []

@@ -17,6 +17,7 @@ import tyro
 import eqgpt
 from eqgpt.parallel import Strategy, make_mesh
 from eqgpt.parallel.context import Context, ulysses_bytes
+from eqgpt.parallel.flags import tyro_registry
 from eqgpt.profile import collectives
 from helpers import compiled_step
 from recipe_runs import TINY, load_recipe, run_once, seed_checkpoint, shared_corpus, write_documents
@@ -85,5 +86,5 @@ def test_heads_not_divisible_by_context_fail_before_compiling(tmp_path):
             "--out-dir", str(tmp_path / "run"), "--mesh", "context=4,data=2", "--context", "ulysses",
             "--model.num-heads", "2"]
     with pytest.raises(ValueError, match=r"--context ulysses splits the 2 attention heads over the 4 devices"):
-        load_recipe().main(tyro.cli(load_recipe().TrainConfig, args=args))
+        load_recipe().main(tyro.cli(load_recipe().TrainConfig, registry=tyro_registry(), args=args))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran

@@ -89,10 +89,12 @@ def parse_cli(cls, args: list[str] | None = None, **kwargs):
     of tyro's box and exit status 2; `--help` prints as tyro prints it."""
     import tyro
 
+    from eqgpt.parallel.flags import tyro_registry
+
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return tyro.cli(cls, args=args, **kwargs)
+            return tyro.cli(cls, args=args, registry=tyro_registry(), **kwargs)
     except SystemExit as e:
         if not e.code:
             raise

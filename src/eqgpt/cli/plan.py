@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from eqgpt.cli import exit_on_user_error, imports_in
+from eqgpt.cli import exit_on_user_error, imports_in, parse_cli
 from eqgpt.cli.train import TrainConfig, optimizer_of
 from eqgpt.nn.factory import import_modules
 from eqgpt.parallel import ParallelFlags
@@ -228,15 +228,13 @@ def search_text(fitting: list[dict], rows: list[dict], command: str | None) -> s
 def run(args: list[str] | None = None, *, from_trainer: bool = False) -> None:
     """The console script `eqgpt-plan` (and `eqgpt-train --compile-only`, `from_trainer`, where --slice
     has no default): flags -> `plan_main`; a user error is one line and exit status 1."""
-    import tyro
-
     argv = sys.argv[1:] if args is None else args
     import_modules(imports_in(argv))
 
     def plan():
         if from_trainer and not any(a.split("=")[0] == "--slice" for a in argv):
             raise ValueError("--compile-only needs --slice, e.g. --slice v5e-16 (the TPU slice to compile for).")
-        return plan_main(tyro.cli(PlanConfig, args=args))
+        return plan_main(parse_cli(PlanConfig, args=args))
 
     exit_on_user_error(plan, args=args)
 

@@ -1,6 +1,6 @@
 """Data: tokenizers (bytes, byte-level BPE), corpora (the Python stdlib by default), deterministic loaders."""
 
-from eqgpt.data.batch import Batch, as_batch
+from eqgpt.data.batch import Batch
 from eqgpt.data.corpus import (
     Corpus,
     default_cache_dir,
@@ -24,7 +24,7 @@ from eqgpt.data.tokenizer import (
 )
 
 __all__ = [
-    "Batch", "as_batch", "ByteTokenizer", "CharTokenizer", "BPETokenizer", "Tokenizer", "load_tokenizer", "train_bpe",
+    "Batch", "ByteTokenizer", "CharTokenizer", "BPETokenizer", "Tokenizer", "load_tokenizer", "train_bpe",
     "bytes_per_token", "Corpus", "load_corpus", "stdlib_files", "stdlib_root", "text_files",
     "default_cache_dir", "is_validation_file", "BatchLoader", "eval_windows", "process_rows",
     "GrainLoader", "LoaderConfig", "make_loader", "PackedLoader", "pack_documents", "packing_efficiency",

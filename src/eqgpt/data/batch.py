@@ -62,9 +62,4 @@ class Batch(eqx.Module):
         return jax.tree.map(lambda a: a[start:stop], self)
 
 
-def as_batch(batch: Batch | Int[Array | np.ndarray, "batch seq_plus_one"]) -> Batch:
-    """A `Batch` as is, or `[batch, seq + 1]` token windows split into one."""
-    return batch if isinstance(batch, Batch) else Batch.from_windows(batch)
-
-
-__all__ = ["Batch", "as_batch"]
+__all__ = ["Batch"]

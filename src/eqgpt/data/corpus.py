@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from jaxtyping import Int
+from jaxtyping import Integer
 
 from eqgpt.data.tokenizer import (
     MAX_VOCAB,
@@ -51,8 +51,8 @@ class Corpus:
     """
 
     name: str
-    train: Int[np.ndarray, " n"]
-    val: Int[np.ndarray, " m"]
+    train: Integer[np.ndarray, " n"]
+    val: Integer[np.ndarray, " m"]
     vocab_size: int
     train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()
@@ -197,7 +197,7 @@ def token_fingerprint(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _write_tokens(path: Path, files: list[Path], tokenizer: Tokenizer, *, progress: str | None = None) -> None:
+def _write_tokens(path: Path, files: list[Path | _Slice], tokenizer: Tokenizer, *, progress: str | None = None) -> None:
     bounds = [0]  # one document per file: its token boundaries, for packing
     with written_whole(path) as out, _progress(progress, len(files)) as advance:
         if isinstance(tokenizer, ByteTokenizer):
@@ -343,7 +343,8 @@ def _text_corpus(name, root, files, *, cache_dir, val_percent, tokenizer, progre
                   docs["train"], docs["val"], tokenizer)
 
 
-def _corpus_tokenizer(tokenizer: str | Tokenizer, cache: Path, train_files: list[Path], progress: bool) -> Tokenizer:
+def _corpus_tokenizer(tokenizer: str | Tokenizer, cache: Path, train_files: list[Path | _Slice],
+                      progress: bool) -> Tokenizer:
     """`bpe:N`: the tokenizer cached in `cache`, else trained on the training files (never on
     validation) and cached there; anything else: `load_tokenizer`."""
     size = parse_bpe_spec(tokenizer) if isinstance(tokenizer, str) else None

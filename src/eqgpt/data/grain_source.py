@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 Mode = Literal["windows", "packed"]
 
 
+@runtime_checkable
 class StepSource(Protocol):
     """A loader whose batches are a pure function of `(seed, step)`."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jaxtyping import Int
+from jaxtyping import Integer
 
 from eqgpt.data.batch import Batch
 
@@ -57,7 +57,7 @@ class BatchLoader:
 
     def __init__(
         self,
-        tokens: Int[np.ndarray, " n"],
+        tokens: Integer[np.ndarray, " n"],
         *,
         batch_size: int,
         seq_len: int,
@@ -80,12 +80,12 @@ class BatchLoader:
         self.process_count = jax.process_count() if process_count is None else process_count
         self.rows = process_rows(batch_size, self.process_index, self.process_count)
 
-    def offsets(self, step: int) -> Int[np.ndarray, " batch"]:
+    def offsets(self, step: int) -> Integer[np.ndarray, " batch"]:
         """Start offsets of all global rows at `step` (the same on every process)."""
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
 
-    def local_windows(self, step: int) -> Int[np.ndarray, "rows seq_plus_one"]:
+    def local_windows(self, step: int) -> Integer[np.ndarray, "rows seq_plus_one"]:
         """This process's rows of the batch at `step` as `[rows, seq_len + 1]` `int32` windows."""
         start, stop = self.rows
         t = self.seq_len + 1
@@ -106,8 +106,8 @@ class BatchLoader:
 
 
 def eval_windows(
-    tokens: Int[np.ndarray, " n"], *, seq_len: int, num_windows: int
-) -> Int[np.ndarray, "windows seq_plus_one"]:
+    tokens: Integer[np.ndarray, " n"], *, seq_len: int, num_windows: int
+) -> Integer[np.ndarray, "windows seq_plus_one"]:
     """`num_windows` fixed windows spread evenly over `tokens` (the validation set).
 
     Deterministic, so every evaluation of a run (and of different runs) scores the

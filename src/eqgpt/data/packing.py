@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jaxtyping import Int
+from jaxtyping import Integer
 
 from eqgpt.data.batch import Batch
 from eqgpt.data.loader import check_state, process_rows
@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 
 def document_pieces(
-    bounds: Int[np.ndarray, " docs_plus_one"], seq_len: int
-) -> tuple[Int[np.ndarray, " pieces"], Int[np.ndarray, " pieces"]]:
+    bounds: Integer[np.ndarray, " docs_plus_one"], seq_len: int
+) -> tuple[Integer[np.ndarray, " pieces"], Integer[np.ndarray, " pieces"]]:
     """`(starts, lengths)` of the pieces of every document, in document order.
 
     `bounds` are document boundaries `[0, end_0, end_1, ...]` into the token array.
@@ -89,7 +89,7 @@ class PackPlan:
         return float(self.lengths.sum() / (self.num_rows * (self.seq_len + 1)))
 
 
-def pack_documents(bounds: Int[np.ndarray, " docs_plus_one"], seq_len: int) -> PackPlan:
+def pack_documents(bounds: Integer[np.ndarray, " docs_plus_one"], seq_len: int) -> PackPlan:
     """Plan the packing of the documents `bounds` delimits into rows of `seq_len + 1` tokens.
 
     Long documents are split (see the module notes; the count is logged once);
@@ -137,7 +137,7 @@ def pack_documents(bounds: Int[np.ndarray, " docs_plus_one"], seq_len: int) -> P
 
 
 def packed_windows(
-    tokens: Int[np.ndarray, " n"], plan: PackPlan, rows: Int[np.ndarray, " rows"]
+    tokens: Integer[np.ndarray, " n"], plan: PackPlan, rows: Integer[np.ndarray, " rows"]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Rows of the plan as `[rows, seq_len + 1]` arrays: tokens, segment ids, positions, target mask.
 
@@ -175,8 +175,8 @@ class PackedLoader:
 
     def __init__(
         self,
-        tokens: Int[np.ndarray, " n"],
-        bounds: Int[np.ndarray, " docs_plus_one"],
+        tokens: Integer[np.ndarray, " n"],
+        bounds: Integer[np.ndarray, " docs_plus_one"],
         *,
         batch_size: int,
         seq_len: int,
@@ -199,13 +199,13 @@ class PackedLoader:
         # Grain's index shuffle (a Feistel permutation, O(1) memory), a new order every epoch.
         self._order = grain.MapDataset.range(self.plan.num_rows).shuffle(seed=seed).repeat()
 
-    def row_ids(self, step: int) -> Int[np.ndarray, " rows"]:
+    def row_ids(self, step: int) -> Integer[np.ndarray, " rows"]:
         """Plan rows of this process's share of the batch at `step`."""
         start, stop = self.rows
         base = step * self.batch_size
         return np.asarray([self._order[base + i] for i in range(start, stop)], np.int64)
 
-    def local_windows(self, step: int) -> Int[np.ndarray, "rows seq_plus_one"]:
+    def local_windows(self, step: int) -> Integer[np.ndarray, "rows seq_plus_one"]:
         """This process's packed rows at `step` as `[rows, seq_len + 1]` token windows."""
         return packed_windows(self.tokens, self.plan, self.row_ids(step))[0]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-from jaxtyping import Int
+from jaxtyping import Integer
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS = "<|endoftext|>"
@@ -85,11 +85,11 @@ class ByteTokenizer:
     special_tokens: dict[str, int] = {}  # noqa: RUF012 (read-only)
     eos_id: int | None = None
 
-    def encode(self, text: str) -> Int[np.ndarray, " n"]:
+    def encode(self, text: str) -> Integer[np.ndarray, " n"]:
         """**Arguments:** `text`. **Returns:** its UTF-8 bytes as a `uint16` array."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
-    def encode_bytes(self, data: bytes) -> Int[np.ndarray, " n"]:
+    def encode_bytes(self, data: bytes) -> Integer[np.ndarray, " n"]:
         """Raw bytes (e.g. a file read in binary) as a `uint16` array."""
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
@@ -104,7 +104,7 @@ class ByteTokenizer:
             raise ValueError(f"byte tokens lie in 0..255; got ids in {arr.min()}..{arr.max()}.")
         return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
-    def token_bytes(self) -> Int[np.ndarray, " vocab"]:
+    def token_bytes(self) -> Integer[np.ndarray, " vocab"]:
         """Every id stands for one byte."""
         return np.ones(256, np.int64)
 
@@ -144,7 +144,7 @@ class CharTokenizer:
         self.name = name
         self.fingerprint = "chars-" + hashlib.sha256(json.dumps(sorted(self.itos.items())).encode()).hexdigest()[:16]
 
-    def encode(self, text: str) -> Int[np.ndarray, " n"]:
+    def encode(self, text: str) -> Integer[np.ndarray, " n"]:
         """**Returns:** the id of each character. **Raises** `ValueError` naming the characters not in the table."""
         missing = sorted(set(text) - self.stoi.keys())
         if missing:
@@ -153,7 +153,7 @@ class CharTokenizer:
                              "vocabulary of this corpus (its meta.pkl); use only characters it holds.")
         return np.asarray([self.stoi[c] for c in text], _ids_dtype(self.vocab_size))
 
-    def encode_bytes(self, data: bytes) -> Int[np.ndarray, " n"]:
+    def encode_bytes(self, data: bytes) -> Integer[np.ndarray, " n"]:
         """UTF-8 `data` encoded as text."""
         return self.encode(data.decode("utf-8"))
 
@@ -165,7 +165,7 @@ class CharTokenizer:
         """**Arguments:** token ids. **Returns:** their characters joined."""
         return "".join(self.itos.get(int(i), "\ufffd") for i in np.asarray(ids).ravel())
 
-    def token_bytes(self) -> Int[np.ndarray, " vocab"]:
+    def token_bytes(self) -> Integer[np.ndarray, " vocab"]:
         """The UTF-8 length of each id's character (0 for ids the table lacks)."""
         return np.asarray([len(self.itos.get(i, "").encode("utf-8")) for i in range(self.vocab_size)], np.int64)
 
@@ -249,11 +249,11 @@ class BPETokenizer:
             return special[EOS]
         return next(iter(special.values())) if len(special) == 1 else None
 
-    def encode(self, text: str) -> Int[np.ndarray, " n"]:
+    def encode(self, text: str) -> Integer[np.ndarray, " n"]:
         """**Arguments:** `text`. **Returns:** its ids (`uint16` when the vocabulary fits)."""
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, self._dtype)
 
-    def encode_bytes(self, data: bytes) -> Int[np.ndarray, " n"]:
+    def encode_bytes(self, data: bytes) -> Integer[np.ndarray, " n"]:
         """UTF-8 bytes (a file read in binary); invalid UTF-8 raises `ValueError`."""
         return self.encode(_utf8(data))
 
@@ -269,7 +269,7 @@ class BPETokenizer:
             raise ValueError(f"token ids lie in 0..{self.vocab_size - 1}; got ids in {arr.min()}..{arr.max()}.")
         return self.hf.decode(arr.tolist(), skip_special_tokens=False)
 
-    def token_bytes(self) -> Int[np.ndarray, " vocab"]:
+    def token_bytes(self) -> Integer[np.ndarray, " vocab"]:
         """UTF-8 bytes each id stands for (special tokens: 0, they are not text)."""
         if self._token_bytes is None:
             table = {c: b for b, c in _bytes_to_unicode().items()}

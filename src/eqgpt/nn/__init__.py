@@ -4,7 +4,7 @@ from eqgpt.nn.attention import Attention, KVCache
 from eqgpt.nn.axes import REGION_INPUT, ActivationHook, LogicalAxes, NoConstraint, logical_axes, map_constraints
 from eqgpt.nn.block import Block
 from eqgpt.nn.embedding import Embedding
-from eqgpt.nn.factory import block_names, get_block, register_block
+from eqgpt.nn.factory import get_block, register_block
 from eqgpt.nn.gpt import GPT, make_block
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.loss import chunked_cross_entropy, chunked_loss_sums, head_loss_sums, lm_loss
@@ -23,5 +23,5 @@ __all__ = [
     "chunked_cross_entropy", "chunked_loss_sums", "head_loss_sums", "logical_axes", "map_constraints", "LogicalAxes",
     "ActivationHook",
     "NoConstraint",
-    "REGION_INPUT", "register_block", "get_block", "block_names",
+    "REGION_INPUT", "register_block", "get_block",
 ]

@@ -22,11 +22,6 @@ def register_block(name: str, factory: BlockFactory) -> None:
     _REGISTERED[name] = factory
 
 
-def block_names() -> tuple[str, ...]:
-    """The registered block names."""
-    return tuple(_REGISTERED)
-
-
 def import_object(path: str) -> object:
     """The object `module:name` names (`name` may be dotted), importing its module."""
     module_name, sep, attr = path.partition(":")

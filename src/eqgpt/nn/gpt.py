@@ -27,6 +27,7 @@ from eqgpt.nn.mask import make_mask
 from eqgpt.nn.mlp import MLP, SwiGLU
 from eqgpt.nn.moe import MoE, MoEStats
 from eqgpt.nn.norm import LayerNorm, RMSNorm, make_norm
+from eqgpt.nn.protocol import LanguageModel
 
 
 def layers_per_block(config: GPTConfig) -> int:
@@ -70,8 +71,8 @@ def _make_layer(config: GPTConfig, key: PRNGKeyArray) -> Block:
     return Block(norm(), attn, norm(), mlp, remat=c.remat)
 
 
-class GPT(eqx.Module):
-    """A decoder-only transformer language model described by a `GPTConfig`."""
+class GPT(LanguageModel):
+    """A decoder-only transformer language model described by a `GPTConfig` (a `LanguageModel`)."""
 
     tok_embed: Embedding
     pos_embed: Embedding | None
@@ -139,6 +140,11 @@ class GPT(eqx.Module):
     def num_moe_layers(self) -> int:
         """How many of its layers are MoE layers."""
         return 0 if self.config.moe is None else self.config.num_layers // self.config.moe.every
+
+    @property
+    def vocab_size(self) -> int:
+        """The real rows of `head_matrix()` (the rest pad the vocabulary)."""
+        return self.config.vocab_size
 
     def _check_len(self, t: int):
         if t > self.config.seq_len:

@@ -237,11 +237,11 @@ def lm_loss(
     metrics (`eqgpt.nn.moe.moe_loss`).
     """
     extra = {} if doc_positions is None else {"doc_positions": doc_positions}
-    hidden, stats = features_and_stats(model, tokens, segment_ids=segment_ids, **extra)
-    head = getattr(model, "head_matrix", None)
+    hidden, stats = model.features_and_stats(tokens, segment_ids=segment_ids, **extra)
+    head = model.head_matrix()
     if head is not None:  # the fused head: logits once, gradients in the same pass
-        total, (nll, z, count) = head_loss_sums(hidden, head(), targets, loss_mask=loss_mask, chunk_size=chunk_size,
-                                                z_loss=z_loss, vocab_size=model.config.vocab_size)
+        total, (nll, z, count) = head_loss_sums(hidden, head, targets, loss_mask=loss_mask, chunk_size=chunk_size,
+                                                z_loss=z_loss, vocab_size=model.vocab_size)
         count = jnp.maximum(count, 1.0)
         loss, aux = total / count, {"nll": nll / count, "z_loss": z / count}
     else:
@@ -261,14 +261,6 @@ def lm_batch_loss(model, batch: Any, *, chunk_size: int = 128, z_loss: float = 0
                    doc_positions=batch.positions)
 
 
-def features_and_stats(model, tokens: Int[Array, "batch seq"], **kwargs) -> tuple[Array, Any]:
-    """`model.features(tokens, **kwargs)` and its MoE router statistics (`None` for a model
-    without `features_and_stats`, or a dense one)."""
-    if not hasattr(model, "features_and_stats"):
-        return model.features(tokens, **kwargs), None
-    return model.features_and_stats(tokens, **kwargs)
-
-
 def add_router_losses(model, loss: Array, aux: dict, stats, *, rows: int, tokens: int) -> tuple[Array, dict]:
     """`(loss, aux)` with the MoE router losses of `stats` added to `loss` and their metrics to
     `aux` (`eqgpt.nn.moe.moe_loss`); unchanged when `stats` is `None` (a dense model).
@@ -280,5 +272,5 @@ def add_router_losses(model, loss: Array, aux: dict, stats, *, rows: int, tokens
         return loss, aux
     from eqgpt.nn.moe import moe_loss
 
-    moe, metrics = moe_loss(stats, model.config.moe, rows=rows, tokens=tokens)
+    moe, metrics = moe_loss(stats, model.moe, rows=rows, tokens=tokens)
     return loss + moe, {**aux, **metrics}

@@ -3,7 +3,7 @@
 `Strategy` describes a parallelism once (a mesh, rules and its parts: `Pipeline`,
 `Context`, `Expert`, `Zero`, `Manual`, `Offload`, `Overlap`) and gives the trainer its
 placement and loss/grad function; `ParallelFlags` is the same as command-line flags. The
-automatic path lives here (`mesh`, `rules`, `shard`, `placement`); manual `shard_map`
+automatic path lives here (`mesh`, `rules`, `auto`, `placement`); manual `shard_map`
 forms live in their own modules (`collectives`, `tensor`, `sequence`, `manual`,
 `context`, `pipeline`) and are imported from there.
 """

@@ -27,7 +27,7 @@ compiler's heuristics, and give each group one contiguous buffer.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -104,8 +104,8 @@ def bucketed_all_reduce(
     return out
 
 
-def all_reduce_count(sizes_by_axes: Sequence[tuple[AxisName, int]], bucket_bytes: int | None) -> int:
-    """How many all-reduces `bucketed_all_reduce` issues for arrays of (axes, fp32 bytes).
+def all_reduce_count(sizes_by_axes: Sequence[tuple[Hashable, int]], bucket_bytes: int | None) -> int:
+    """How many all-reduces `bucketed_all_reduce` issues for arrays of (grouping key, fp32 bytes).
 
     Without buckets, one per array that reduces over some axes. `axes` is the grouping
     key: under tensor parallelism pass `(axes, varying axes)` to count as the manual path groups.

@@ -32,7 +32,7 @@ send only the routed tokens, but does not run on CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import equinox as eqx
 import jax
@@ -43,6 +43,9 @@ from eqgpt.nn.moe import Experts, LocalExperts, moe_layers
 from eqgpt.parallel.collectives import all_gather, all_to_all
 from eqgpt.parallel.part import Part
 from eqgpt.parallel.rules import Rules, entry_axes, is_spec
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 AXIS = "expert"
 
@@ -164,10 +167,10 @@ class Expert(Part):
     def implied(cls, mesh: Any) -> Expert | None:
         return None if mesh is None or mesh.shape.get(AXIS, 1) == 1 else cls()
 
-    def axes(self, strategy: Any) -> set[str]:
+    def axes(self, strategy: Strategy) -> set[str]:
         return {AXIS}
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         if not all(p.automatic for p in strategy.parts):
             raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual for "
                              "expert parallelism (it runs its all-to-alls under shard_map on the automatic path).")
@@ -175,20 +178,20 @@ class Expert(Part):
             raise ValueError("inside the pipeline the experts are exchanged with explicit all-to-alls; "
                              "use --expert alltoall with --pipeline.")
 
-    def rules(self, strategy: Any, rules: Rules) -> Rules:
+    def rules(self, strategy: Strategy, rules: Rules) -> Rules:
         return rules.merge(EP).update(name=f"{rules.name}+ep")
 
-    def prepare(self, strategy: Any, model: PyTree) -> PyTree:
+    def prepare(self, strategy: Strategy, model: PyTree) -> PyTree:
         return use_expert_parallel(model, strategy.mesh, self.impl, strategy.rules)
 
     @classmethod
     def unprepare(cls, model: PyTree) -> PyTree:
         return use_dispatch(model, LocalExperts())  # the layers' own dispatch, on whatever devices
 
-    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+    def check(self, strategy: Strategy, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         check_expert(model_like, strategy.mesh)
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         return f"expert {self.impl}"
 
 

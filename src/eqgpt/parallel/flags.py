@@ -17,8 +17,11 @@ and one line here: `name: MyPart | None = None`. On a tyro command line
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import inspect
+import textwrap
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -189,11 +192,29 @@ def _cli_fields(cls: type, default: ParallelFlags) -> list[tuple[str, Any, Any, 
     return [(flag, *spec) for flag, spec in out.items()]
 
 
-def _doc(cls: type, name: str):
-    """The docstring below field `name` of `cls`, when tyro asks for it."""
-    from tyro import _docstrings
+def _doc(cls: type, name: str) -> str | None:
+    """The docstring below field `name` of `cls` (or of a class it derives from)."""
+    for kls in cls.__mro__:
+        doc = _field_docs(kls).get(name)
+        if doc is not None:
+            return doc
+    return None
 
-    return functools.partial(_docstrings.get_field_docstring, cls, name, ())
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field -> the string literal below it in the body of `cls`, its single line breaks joined."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # a builtin or a class without source
+        return {}
+    body, out = tree.body[0].body, {}
+    for field, doc in zip(body, body[1:], strict=False):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            paragraphs = inspect.cleandoc(doc.value.value).split("\n\n")
+            out[field.target.id] = "\n\n".join(" ".join(p.split("\n")) for p in paragraphs).strip()
+    return out
 
 
 def _tyro_rule(info):
@@ -220,15 +241,15 @@ def _parsed(cls: type[ParallelFlags], **values: Any) -> ParallelFlags:
         return flags
 
 
-def _register_with_tyro() -> None:
-    """Make every `tyro.cli` parse `ParallelFlags` by `_tyro_rule` (a registry entered for good)."""
+@functools.cache
+def tyro_registry():
+    """The `tyro.constructors.ConstructorRegistry` that parses `ParallelFlags` (and subclasses) as
+    flat flags: pass it as `tyro.cli(Config, registry=tyro_registry())`."""
     from tyro.constructors import ConstructorRegistry
 
     registry = ConstructorRegistry()
     registry.struct_rule(_tyro_rule)
-    registry.__enter__()
+    return registry
 
 
-_register_with_tyro()
-
-__all__ = ["ParallelFlags"]
+__all__ = ["ParallelFlags", "tyro_registry"]

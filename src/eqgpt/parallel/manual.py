@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -56,6 +56,9 @@ from eqgpt.parallel.tensor import (
     vocab_parallel_loss_sums,
 )
 from eqgpt.precision import Policy, scale_value
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 TENSOR = "tensor"
 
@@ -84,7 +87,7 @@ def _spec_axes(spec: PartitionSpec) -> set[str]:
     return {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
 
 
-class _Plan:
+class _ManualPlan:
     """What `manual_grad_fn` and `manual_loss_fn` share: axes, specs, the per-device loss."""
 
     def __init__(self, model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
@@ -116,7 +119,7 @@ class _Plan:
                              "reduce-scatter into ring steps.")
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
-        self.max_len = getattr(model_like, "seq_len", None)
+        self.max_len = model_like.seq_len
         self.aux_keys = ("nll", "z_loss", *(MOE_METRICS if moe_layers(model_like) else ()))
         self.specs = tensor_parallel_specs(model_like, mesh)
         self.array_specs = eqx.filter(self.specs, is_spec, is_leaf=is_spec)
@@ -145,7 +148,7 @@ class _Plan:
             keyed.append(((ax, TENSOR in split) if ax else (), 4 * local))  # as bucketed_all_reduce groups them
         return all_reduce_count(keyed, None), all_reduce_count(keyed, self.bucket_bytes)
 
-    def check_batch(self, batch: Batch) -> None:
+    def check_batch(self, batch: Any) -> None:
         if not isinstance(batch, Batch):
             raise ValueError(f"the manual path takes an eqgpt.data.Batch, got {type(batch).__name__}; "
                              "Batch.from_windows splits [batch, seq + 1] token windows.")
@@ -271,12 +274,12 @@ def manual_grad_fn(
     Raises `ValueError` (before compiling) for sizes the mesh cannot split, and
     for batches that are not a `Batch`, carry per-row `positions`, or do not split.
     """
-    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
+    plan = _ManualPlan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy,
                  collective_matmul, bucket_bytes)
     mapped = plan.mapped(grad=True)
     before, after = plan.all_reduce_counts(model_like)
 
-    def grad_fn(model: PyTree, batch: Batch, loss_scale=None) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
+    def grad_fn(model: PyTree, batch: Any, loss_scale=None) -> tuple[tuple[Array, dict[str, Array]], PyTree]:
         """**Arguments:** the plain model, a `Batch` and optionally the dynamic loss scale.
         **Returns:** `((loss, aux), grads)`."""
         plan.check_batch(batch)
@@ -302,10 +305,10 @@ def manual_loss_fn(
     Same arguments as `manual_grad_fn`; for validation, and to read the forward
     program's collectives.
     """
-    plan = _Plan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy, collective_matmul)
+    plan = _ManualPlan(model_like, mesh, sequence_parallel, data_axes, chunk_size, z_loss, policy, collective_matmul)
     mapped = plan.mapped(grad=False)
 
-    def loss_fn(model: PyTree, batch: Batch) -> tuple[Array, dict[str, Array]]:
+    def loss_fn(model: PyTree, batch: Any) -> tuple[Array, dict[str, Array]]:
         """**Arguments:** the plain model and a `Batch`. **Returns:** `(loss, aux)`."""
         plan.check_batch(batch)
         return mapped(model, batch)
@@ -356,10 +359,10 @@ class Manual(Part):
         if self.bucket_mb is not None:
             bucket_bytes_of(self.bucket_mb)  # > 0
 
-    def axes(self, strategy: Any) -> set[str]:
+    def axes(self, strategy: Strategy) -> set[str]:
         return {"data", TENSOR}
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         if not all(p.on_manual_path for p in strategy.parts):
             raise ValueError("the manual path runs data, tensor and sequence parallelism only; drop --manual "
                              "to combine pipeline or context parallelism (they run on the automatic path).")
@@ -373,13 +376,13 @@ class Manual(Part):
                 raise ValueError("collective_matmul (--collective-matmul) needs sequence parallelism: use 'sp' in "
                                  "--strategy (e.g. dp+sp); plain tp's all-reduce, decomposed, is SP's layout.")
 
-    def placement(self, strategy: Any, model_like: PyTree) -> ShardedPlacement:
+    def placement(self, strategy: Strategy, model_like: PyTree) -> ShardedPlacement:
         return manual_placement(strategy.mesh, model_like)
 
-    def batch_rules(self, strategy: Any) -> Rules:
+    def batch_rules(self, strategy: Strategy) -> Rules:
         return Rules(activations={"batch": "data"}, name="manual-batch")
 
-    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+    def check(self, strategy: Strategy, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         if moe_layers(model_like) and strategy.sequence_parallel:
             raise ValueError("the manual path runs MoE layers with data and tensor parallelism, not sequence "
                              "parallelism (the router needs the whole sequence); use --strategy dp+tp, or drop "
@@ -394,27 +397,27 @@ class Manual(Part):
             raise ValueError(f"sequence parallelism splits the sequence over tensor={tensor}"
                              f" devices; use a seq_len divisible by it (got {seq_len}).")
 
-    def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
+    def loss_fn(self, strategy: Strategy, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
         return manual_loss_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
                               chunk_size=chunk_size, z_loss=z_loss, collective_matmul=self.collective_matmul)
 
-    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+    def grad_fn(self, strategy: Strategy, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn:
         return manual_grad_fn(model_like, strategy.mesh, sequence_parallel=strategy.sequence_parallel,
                               chunk_size=chunk_size, z_loss=z_loss, policy=policy,
                               collective_matmul=self.collective_matmul, bucket_bytes=bucket_bytes_of(self.bucket_mb))
 
-    def notes(self, strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+    def notes(self, strategy: Strategy, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
         return [line] if (line := bucket_report(strategy, model_like)) is not None else []
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         extra = (["collective matmul"] if self.collective_matmul else []) + (
             [f"buckets {self.bucket_mb:g} MiB"] if self.bucket_mb is not None else [])
         return ", ".join(["manual", *extra])
 
 
-def bucket_report(strategy: Any, model_like: PyTree) -> str | None:
+def bucket_report(strategy: Strategy, model_like: PyTree) -> str | None:
     """One line for a run's log: the manual path's gradient all-reduces per step, without and
     with its buckets; `None` where the strategy has no manual path with buckets (a pipeline's
     count is in its compiled program: `eqgpt.profile.collectives`).

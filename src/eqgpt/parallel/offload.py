@@ -19,11 +19,14 @@ arrays there, and into device memory and back for each step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 
 from eqgpt.parallel.part import Part
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 HOST = "pinned_host"
 
@@ -50,13 +53,13 @@ class Offload(Part):
     order = 60
     needs_mesh = False
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         check_host_memory()
 
-    def memory_kind(self, strategy: Any, what: Literal["params", "opt_state"]) -> str | None:
+    def memory_kind(self, strategy: Strategy, what: Literal["params", "opt_state"]) -> str | None:
         return HOST if getattr(self, what) else None  # the fields are named after what they keep
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         on_host = [what for what, flag in (("parameters", self.params), ("optimizer state", self.opt_state)) if flag]
         return f"{' and '.join(on_host)} on host"
 

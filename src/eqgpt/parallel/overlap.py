@@ -30,7 +30,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -39,9 +39,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from eqgpt.nn.axes import ActivationHook
+from eqgpt.nn.gpt import GPT
 from eqgpt.parallel.auto import param_specs
 from eqgpt.parallel.part import LossFn, Part
 from eqgpt.parallel.rules import entry_axes, is_spec
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 # Each flag and what it does (the docs print this table). All are XLA GPU options.
 OVERLAP_FLAGS: dict[str, str] = {
@@ -119,7 +123,7 @@ def _hoist(fn: Callable, *example: Any) -> tuple[Callable, list]:
     return explicit, list(closed.consts)
 
 
-class _Plan:
+class _PrefetchPlan:
     """What the custom VJP of one prefetched stack needs besides arrays (hashed by identity)."""
 
     def __init__(self, stack: PrefetchStack, layer: Callable, unroll: int | bool):
@@ -195,7 +199,7 @@ class _Plan:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _prefetched(plan: _Plan, x, leaves, *consts):
+def _prefetched(plan: _PrefetchPlan, x, leaves, *consts):
     return plan.forward(x, leaves, consts, keep=False)[0]
 
 
@@ -242,10 +246,10 @@ class PrefetchStack(ActivationHook):
             raise ValueError(f"PrefetchStack holds specs for {len(self.gathered)} arrays per layer, the stack "
                              f"has {len(leaves)}; install it with install_prefetch on the model it runs.")
         explicit, consts = _hoist(lambda h, weights: layer(h, tree.unflatten(weights)), x, [w[0] for w in leaves])
-        return _prefetched(_Plan(self, explicit, unroll), x, leaves, *consts)
+        return _prefetched(_PrefetchPlan(self, explicit, unroll), x, leaves, *consts)
 
 
-def prefetch_axes(strategy: Any) -> tuple[str, ...]:
+def prefetch_axes(strategy: Strategy) -> tuple[str, ...]:
     """The mesh axes whose weight gathers `overlap` prefetches (`fsdp` where the rules use it)."""
     if strategy.mesh is None:
         return ()
@@ -253,11 +257,12 @@ def prefetch_axes(strategy: Any) -> tuple[str, ...]:
     return tuple(a for a in WEIGHT_AXES if a in used and strategy.mesh.shape[a] > 1)
 
 
-def install_prefetch(model: PyTree, strategy: Any) -> PyTree:
+def install_prefetch(model: PyTree, strategy: Strategy) -> PyTree:
     """`model` whose `shard` hook is a `PrefetchStack` for `strategy` (unchanged when the
-    strategy splits no weights over a `WEIGHT_AXES` axis, or the model has no `shard` and `blocks`)."""
+    strategy splits no weights over a `WEIGHT_AXES` axis, or the model is not a `GPT`, which runs
+    its layer stack through that hook)."""
     axes = prefetch_axes(strategy)
-    if not axes or not (hasattr(model, "shard") and hasattr(model, "blocks")):
+    if not axes or not isinstance(model, GPT):
         return model
     specs = param_specs(model, strategy.param_rules, strategy.overrides, mesh=strategy.mesh).blocks
     arrays = jax.tree.leaves(eqx.filter(model.blocks, eqx.is_array))
@@ -279,7 +284,7 @@ class Overlap(Part):
     def before_backend(self) -> None:
         set_overlap_flags()
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         if not overlap_flags_set():
             platform = (strategy.mesh.devices.flat[0] if strategy.mesh is not None else jax.devices()[0]).platform
             if platform == "gpu":
@@ -289,7 +294,7 @@ class Overlap(Part):
                     "--overlap does), or put them in XLA_FLAGS: " + " ".join(OVERLAP_FLAGS))
             _log.info("overlap: XLA's GPU scheduler flags are not set; on %s they would change nothing", platform)
 
-    def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
+    def loss_fn(self, strategy: Strategy, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
         if not prefetch_axes(strategy):
             return loss  # no weights split over fsdp: the flags are all overlap does
@@ -302,7 +307,7 @@ class Overlap(Part):
 
         return prefetched
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         return "overlap"
 
 

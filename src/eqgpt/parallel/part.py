@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from jaxtyping import Array, PyTree
 
@@ -34,6 +34,9 @@ from eqgpt.data.batch import Batch
 from eqgpt.parallel.placement import Placement
 from eqgpt.parallel.rules import Rules
 from eqgpt.precision import Policy
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 LossFn = Callable[[PyTree, Batch], tuple[Array, dict[str, Array]]]
 GradFn = Callable[[PyTree, Batch], tuple[tuple[Array, dict[str, Array]], PyTree]]
@@ -95,26 +98,26 @@ class Part:
 
     # ------------------------------------------------------------------ construction
 
-    def axes(self, strategy: Any) -> set[str]:
+    def axes(self, strategy: Strategy) -> set[str]:
         """Mesh axes the part splits work over beyond those of the rules."""
         return set()
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         """Raise `ValueError` at construction for combinations the part cannot run."""
 
-    def rules(self, strategy: Any, rules: Rules) -> Rules:
+    def rules(self, strategy: Strategy, rules: Rules) -> Rules:
         """The strategy's rule set as this part needs it (applied once, at construction)."""
         return rules
 
-    def param_rules(self, strategy: Any, rules: Rules) -> Rules:
+    def param_rules(self, strategy: Strategy, rules: Rules) -> Rules:
         """The rules parameters are placed by."""
         return rules
 
-    def describe(self, strategy: Any) -> str | None:
+    def describe(self, strategy: Strategy) -> str | None:
         """The part's piece of `Strategy.describe()`, or `None`."""
         return None
 
-    def notes(self, strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+    def notes(self, strategy: Strategy, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
         """Lines for a run's log before it trains (`Strategy.notes`): what the part will do."""
         return []
 
@@ -123,16 +126,16 @@ class Part:
 
     # ------------------------------------------------------------------ placement
 
-    def placement(self, strategy: Any, model_like: PyTree) -> Placement | None:
+    def placement(self, strategy: Strategy, model_like: PyTree) -> Placement | None:
         """A placement of its own (choice), or `None`."""
         return None
 
-    def batch_rules(self, strategy: Any) -> Rules | None:
+    def batch_rules(self, strategy: Strategy) -> Rules | None:
         """The rules batches are split by (choice), or `None`; their `batch` axes also
         count in `Strategy.batch_divisor`."""
         return None
 
-    def prepare(self, strategy: Any, model: PyTree) -> PyTree:
+    def prepare(self, strategy: Strategy, model: PyTree) -> PyTree:
         """The placed model with what the part installs (kernels; host memory)."""
         return model
 
@@ -142,30 +145,38 @@ class Part:
         applies every kind's (`KINDS`) before placing a model, so it needs to know none."""
         return model
 
-    def memory_kind(self, strategy: Any, what: Literal["params", "opt_state"]) -> str | None:
+    def split_sequence_in_stages(self, mesh: Any, model: PyTree,
+                                 fields: dict[str, Array]) -> tuple[PyTree, dict[str, Array], Array]:
+        """For a part that runs the layers itself inside its own manual region (a pipeline's
+        stages): `(model, fields, positions)` with the sequence split over `sequence_axis` as
+        this part splits it (the batch's fields laid out, the attention kernels swapped; the
+        same arrays). Only parts with a `sequence_axis` are asked."""
+        raise NotImplementedError(f"{self.name} splits no sequence.")
+
+    def memory_kind(self, strategy: Strategy, what: Literal["params", "opt_state"]) -> str | None:
         """The memory kind `what` lives in between steps (choice; e.g. `"pinned_host"`), or `None`:
         device memory. `Strategy` moves it there and, for each step, to the device and back."""
         return None
 
     # ------------------------------------------------------------------ checks
 
-    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+    def check(self, strategy: Strategy, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         """Raise `ValueError`, before anything compiles, for sizes the part cannot split
         (`rows` per step after accumulation)."""
 
     # ------------------------------------------------------------------ the loss
 
-    def loss_fn(self, strategy: Any, loss: LossFn, *, chunk_size: int, z_loss: float,
+    def loss_fn(self, strategy: Strategy, loss: LossFn, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> LossFn:
         """The loss as the part computes it: `loss` wrapped, replaced, or unchanged."""
         return loss
 
-    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+    def grad_fn(self, strategy: Strategy, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn | None:
         """A gradient function of its own (choice), or `None`: the policy's gradient of the loss."""
         return None
 
-    def update(self, strategy: Any, update: Update) -> Update:
+    def update(self, strategy: Strategy, update: Update) -> Update:
         """The optimizer update `(grads, opt_state, params, **extra_args) -> (params, opt_state)` as
         the part runs it (`extra_args`: optax extra arguments, e.g. ZeRO's `norm_fn`)."""
         return update

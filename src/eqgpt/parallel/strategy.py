@@ -41,6 +41,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from eqgpt.data.batch import Batch
 from eqgpt.nn.kernels.platform import compiling_for, platform_of
 from eqgpt.nn.loss import lm_batch_loss
+from eqgpt.nn.protocol import check_language_model
 from eqgpt.parallel.auto import _is_array_like, check_divisibility, put
 from eqgpt.parallel.part import KINDS, GradFn, LossFn, Part, Update
 from eqgpt.parallel.placement import Placement, ShardedPlacement, SingleDevice
@@ -266,8 +267,10 @@ class Strategy:
         """Raise `ValueError`, before anything compiles, for sizes this strategy cannot split.
 
         **Arguments:** the model (or its `eqx.filter_eval_shape`), the global
-        `batch_size` and `seq_len` of a training step, and `accum_steps`.
+        `batch_size` and `seq_len` of a training step, and `accum_steps`. The model must
+        be an `eqgpt.nn.LanguageModel` (the error names the members it lacks).
         """
+        check_language_model(model_like)
         if accum_steps < 1 or batch_size % accum_steps:
             raise ValueError(f"batch_size ({batch_size}) must be divisible by accum_steps ({accum_steps}).")
         rows = batch_size // accum_steps
@@ -284,8 +287,7 @@ class Strategy:
                 f"divisible by {self.batch_divisor} data-parallel devices{micro} = {self.rows_divisor}; "
                 f"use a --batch-size that is a multiple of {self.rows_divisor * accum_steps}."
             )
-        sized = hasattr(model_like, "logical_sizes")  # `eqgpt.nn.LanguageModel`'s optional sizes
-        if sized and all(p.automatic for p in self.parts):  # the rules lay out every part's work
+        if all(p.automatic for p in self.parts):  # the rules lay out every part's work
             check_divisibility(model_like, self.mesh, self.rules, rows // self._microbatches, seq_len, self.overrides)
 
     # ------------------------------------------------------------------ the loss

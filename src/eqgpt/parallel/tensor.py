@@ -58,7 +58,7 @@ from eqgpt.nn.axes import REGION_INPUT, ActivationHook, AxisNames, map_constrain
 from eqgpt.nn.embedding import Embedding
 from eqgpt.nn.linear import Linear, matmul_2d
 from eqgpt.nn.loss import chunked_loss_sums
-from eqgpt.nn.moe import Experts
+from eqgpt.nn.moe import Experts, MoEStats
 from eqgpt.parallel.auto import param_specs, path_str
 from eqgpt.parallel.collective_matmul import (
     column_matmul,
@@ -72,7 +72,6 @@ from eqgpt.parallel.sequence import check_sequence_length, gather_sequence, scat
 
 #: Logical weight names split over the tensor axis (the `tp` rules).
 TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "vocab")
-#: The activation names a module gives its input to say "a tensor-parallel region starts here".
 
 # ------------------------------------------------------------------ Megatron's f and g
 
@@ -148,8 +147,8 @@ def _check_whole_sequence(x: Array, seq_len: int | None, where: str) -> None:
         f"`{module}` never entered its tensor-parallel region. Under sequence parallelism the residual "
         "stream holds only this device's slice of the sequence, and a region starts by gathering it: call "
         f'`x = self.shard(x, ("batch", "inner_seq", "embed"))` at the input of `{module}` (a field '
-        "`shard: eqgpt.nn.NoConstraint`; one device and the automatic path are unchanged), or train "
-        "without sequence parallelism (drop `sp`)."
+        "`shard: eqgpt.nn.ActivationHook` holding `NoConstraint()`; one device and the automatic path are "
+        "unchanged), or train without sequence parallelism (drop `sp`)."
     )
 
 
@@ -204,7 +203,7 @@ class RowParallelLinear(eqx.Module):
     sequence_parallel: bool = eqx.field(static=True, default=False)
     collective_matmul: bool = eqx.field(static=True, default=False)
 
-    def __call__(self, x: Float[Array, "*batch in_shard"]) -> Float[Array, "*batch out_features"]:
+    def __call__(self, x: Float[Array, "*batch in_shard"]) -> Float[Array, "... out_features"]:  # SP: seq/n
         """**Arguments:** `x`, this device's input features. **Returns:** the full output
         (under SP this device's sequence shard of it)."""
         w = self.linear.weight.astype(x.dtype)
@@ -389,8 +388,8 @@ def vocab_parallel_loss_sums(
     chunk_size: int = 128,
     axis: str = "tensor",
     sequence_parallel: bool = False,
-) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
-    """Sums of the next-token NLL and of `lse^2`, and the token count, of a swapped model.
+) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""], MoEStats | None]:
+    """Sums of the next-token NLL and of `lse^2`, the token count and MoE statistics, of a swapped model.
 
     Runs inside `shard_map` on a model returned by `tensor_parallel`, read through
     the `eqgpt.nn.LanguageModel` protocol (`embed`, `run_blocks`, `norm`,
@@ -410,9 +409,7 @@ def vocab_parallel_loss_sums(
     """
     positions = jnp.arange(tokens.shape[1])
     x = model.embed(tokens, positions)
-    run = getattr(model, "run_blocks_with_stats", None)
-    x, stats = run(x, positions, segment_ids) if run is not None else (model.run_blocks(x, positions, segment_ids),
-                                                                       None)
+    x, stats = model.run_blocks_with_stats(x, positions, segment_ids)
     hidden = model.norm(x)
     hidden = enter_region(hidden, axis, sequence_parallel)
 

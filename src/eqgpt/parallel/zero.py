@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import equinox as eqx
 import jax
@@ -65,6 +65,9 @@ from eqgpt.parallel.placement import ShardedPlacement
 from eqgpt.parallel.rules import Rules, entry_axes, is_spec
 from eqgpt.parallel.shard_map import filter_shard_map, reduced_grad, token_count
 from eqgpt.precision import Policy, scale_value
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 ZERO_AXIS = "data"
 
@@ -142,7 +145,7 @@ class ZeroPlacement(ShardedPlacement):
         return f"ZeroPlacement(mesh={dict(self.mesh.shape)}, rules={self.rules.name!r})"
 
 
-def check_zero(strategy: Any, zero: int) -> None:
+def check_zero(strategy: Strategy, zero: int) -> None:
     """Raise `ValueError` for a `Strategy` whose ZeRO stage `zero` cannot work, before anything compiles."""
     mesh = strategy.mesh
     if mesh.shape.get(ZERO_AXIS, 1) < 2:
@@ -299,7 +302,7 @@ def manual_zero_grad_fn(mesh: Mesh, *, stage: int, policy: Any, chunk_size: int 
 # ------------------------------------------------------------------ the strategy part
 
 
-def _manual(strategy: Any) -> bool:
+def _manual(strategy: Strategy) -> bool:
     """Whether a part of `strategy` computes the gradients itself under `shard_map` (the manual path)."""
     return not all(p.automatic for p in strategy.parts)
 
@@ -327,27 +330,27 @@ class Zero(Part):
     def name(self) -> str:
         return f"zero={self.stage}"
 
-    def axes(self, strategy: Any) -> set[str]:
+    def axes(self, strategy: Strategy) -> set[str]:
         return {ZERO_AXIS}
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         check_zero(strategy, self.stage)
 
-    def placement(self, strategy: Any, model_like: PyTree) -> ZeroPlacement:
+    def placement(self, strategy: Strategy, model_like: PyTree) -> ZeroPlacement:
         return ZeroPlacement(strategy.mesh, strategy.param_rules, strategy.overrides)
 
-    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+    def grad_fn(self, strategy: Strategy, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn | None:
         if not _manual(strategy):
             return None  # the strategy's own gradient; `zero_update` pins its layout
         return manual_zero_grad_fn(strategy.mesh, stage=self.stage, policy=policy, chunk_size=chunk_size,
                                    z_loss=z_loss)
 
-    def update(self, strategy: Any, update: Update) -> Update:
+    def update(self, strategy: Strategy, update: Update) -> Update:
         return zero_update(update, strategy.mesh, stage=self.stage, rules=strategy.param_rules,
                            overrides=strategy.overrides, manual=_manual(strategy))
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         return f"zero{self.stage}"
 
 

@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eqgpt.config import GPTConfig
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 # Floats saved per token per layer for the backward pass (fp32 compute, remat="none"):
 # residual-width tensors (norm inputs/outputs, q/k/v, attention output, residuals),
@@ -172,7 +175,7 @@ def _gradient_family(strategy: Any, shape: dict[str, int], tp: int, n_params: in
 def estimate(
     config: GPTConfig,
     mesh: Any = None,
-    strategy: Any = "dp",
+    strategy: Strategy | str = "dp",
     batch: int = 8,
     seq: int | None = None,
     policy: Any = None,

@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqgpt.data.batch import Batch
 from eqgpt.nn.embedding import Embedding
-from eqgpt.nn.loss import add_router_losses, chunked_cross_entropy, features_and_stats
+from eqgpt.nn.loss import add_router_losses, chunked_cross_entropy
 from eqgpt.parallel.context.layout import Ordering, check_layout, layout_batch
 from eqgpt.parallel.context.model import context_kernels
 from eqgpt.parallel.rules import Rules, preset_rules
@@ -138,8 +138,8 @@ def context_loss_fn(
         # The arrays are global (the partitioner splits them), so an MoE layer's router statistics
         # are already sums over the whole sequence: the balance loss's fractions and mean
         # probabilities of each sequence are formed from all its positions, then multiplied.
-        hidden, stats = features_and_stats(model, lm["tokens"], positions=lm["positions"],
-                                           segment_ids=lm.get("segment_ids"), **extra)
+        hidden, stats = model.features_and_stats(lm["tokens"], positions=lm["positions"],
+                                                 segment_ids=lm.get("segment_ids"), **extra)
         loss, aux = sharded_cross_entropy(
             model.head_logits, hidden, lm["targets"], mesh=mesh, loss_mask=lm.get("loss_mask"),
             axis=axis, chunk_size=chunk_size, z_loss=z_loss,

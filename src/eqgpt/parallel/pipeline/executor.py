@@ -49,7 +49,8 @@ the rules split over `tensor` stay split inside each stage and XLA inserts the
 Megatron all-reduces.
 
 Context parallelism (`context=Context(...)`, the part): the batch is put into the
-layout (zigzag) once per step, before the program, and `context` joins the
+layout (zigzag) once per step, before the program, by the part's hook
+`split_sequence_in_stages` (which also swaps the kernels), and `context` joins the
 manual axes: each device holds `T/n` positions of every microbatch, and the
 model gets the global positions of its slots. The attention kernels are swapped
 for all-gather (or Ulysses) `ContextKernel`s, which see that `context` is already manual and
@@ -85,9 +86,7 @@ read from the arrays of `blocks`, the width from `jax.eval_shape` of `embed`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -135,8 +134,6 @@ from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules, entry_axes, is_spec, preset_rules
 from eqgpt.parallel.shard_map import token_count
 from eqgpt.precision import Policy, scale_value, unscale
-
-_log = logging.getLogger(__name__)
 
 PIPELINE = "pipeline"
 BATCH_AXES = ("data", "fsdp")  # split the rows; parameters split over them are gathered per step
@@ -707,7 +704,7 @@ class PipelineGradFn:
     def microbatch(self, batch_shape: tuple[int, int]) -> tuple[int, int]:
         """The `(rows, seq)` one device runs per microbatch, of a global batch `batch_shape`."""
         rows = math.prod(self.mesh.shape[a] for a in ROW_AXES) * self.schedule.num_microbatches
-        ctx = 1 if self.context is None else self.mesh.shape.get(self.context.axis, 1)
+        ctx = 1 if self.context is None else self.mesh.shape.get(self.context.sequence_axis, 1)
         return batch_shape[0] // rows, batch_shape[1] // ctx
 
     def split(self, model, batch_shape: tuple[int, int]) -> tuple[int, ...]:
@@ -737,14 +734,9 @@ class PipelineGradFn:
         param_dtypes = [a.dtype for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
         seq_axes: tuple[str, ...] = ()
         positions = jnp.arange(t)
-        if ctx is not None and mesh.shape[ctx.axis] > 1:  # the sequence over `context`: laid out once, here
-            from eqgpt.parallel.context.layout import layout_batch
-            from eqgpt.parallel.context.model import use_context_attention
-
-            seq_axes = (ctx.axis,)
-            fields = layout_batch(fields, mesh.shape[ctx.axis], ctx.ordering)
-            positions = fields.pop("positions")
-            model = use_context_attention(model, mesh, _in_stage(ctx))  # the kernels only: the same arrays
+        if ctx is not None and mesh.shape[ctx.sequence_axis] > 1:  # the sequence split: laid out once, here
+            seq_axes = (ctx.sequence_axis,)
+            model, fields, positions = ctx.split_sequence_in_stages(mesh, model, fields)
         # Inside the pipeline the activation hooks are identity (see the module docstring).
         model = map_constraints(model, lambda _path, _hook: NoConstraint())
         width = jax.eval_shape(model.embed, fields["tokens"][:1], positions).shape[-1]
@@ -755,8 +747,7 @@ class PipelineGradFn:
             specs = param_specs(eqx.filter(model, eqx.is_array), self.rules, mesh=mesh)
         block_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
         rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
-        moe = getattr(model, "moe", None)  # the MoE accessors of `eqgpt.nn.LanguageModel`
-        moe_layers = getattr(model, "num_moe_layers", 0)
+        moe, moe_layers = model.moe, model.num_moe_layers  # the MoE accessors of `eqgpt.nn.LanguageModel`
         step = _make_step(_StepContext(
             mesh, schedule, static, block_axes, rest_axes, width, self.policy, self.chunk_size, self.z_loss,
             seq_axes=seq_axes, moe=moe, moe_layers=moe_layers, padded=padded, bucket_bytes=self.bucket_bytes,
@@ -772,22 +763,6 @@ class PipelineGradFn:
             # Every (stage, microbatch, device) counted its layers: the model has `moe_layers`.
             aux |= moe_loss(stats._replace(layers=jnp.float32(moe_layers)), moe, rows=b, tokens=b * t)[1]
         return (terms[0], aux), jax.tree.unflatten(layout, leaves)
-
-
-_LOGGED: set[str] = set()
-
-
-def _in_stage(ctx):
-    """The context config a pipeline stage runs: all-gather for ring (see the module docstring);
-    all-gather and Ulysses as they are (their groups are one stage's context peers)."""
-    if ctx.impl in ("allgather", "ulysses"):
-        return ctx
-    if ctx.impl not in _LOGGED:
-        _LOGGED.add(ctx.impl)
-        _log.warning("pipeline x context: attention inside a stage runs as all-gather, not %s (a ring's "
-                     "permutes cannot run inside the stage's branch; see eqgpt.parallel.pipeline.executor).",
-                     ctx.impl)
-    return dataclasses.replace(ctx, impl="allgather")
 
 
 def bubble_report(schedule: Schedule) -> str:

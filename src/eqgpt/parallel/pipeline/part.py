@@ -9,7 +9,7 @@ the partitioner runs each layer where the pipeline placed it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from jax.sharding import Mesh
 from jaxtyping import PyTree
@@ -27,6 +27,9 @@ from eqgpt.parallel.pipeline.executor import (
 from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
 from eqgpt.parallel.rules import Rules
 from eqgpt.precision import Policy
+
+if TYPE_CHECKING:
+    from eqgpt.parallel.strategy import Strategy
 
 
 def parse_layers(text: str) -> tuple[int, ...] | str:
@@ -83,44 +86,44 @@ class Pipeline(Part):
         if self.bucket_mb is not None:
             bucket_bytes_of(self.bucket_mb)  # > 0
 
-    def axes(self, strategy: Any) -> set[str]:
+    def axes(self, strategy: Strategy) -> set[str]:
         return {"pipeline", "data", "fsdp"}  # microbatch rows are split over data and fsdp
 
-    def validate(self, strategy: Any) -> None:
+    def validate(self, strategy: Strategy) -> None:
         if strategy.mesh.shape.get("pipeline", 1) < 2:
             raise ValueError(f"--pipeline {self.schedule} runs the layers over the mesh's 'pipeline' axis, and "
                              f"--mesh {','.join(f'{a}={n}' for a, n in strategy.mesh.shape.items() if n > 1)} "
                              "has none: add pipeline=N to --mesh, or drop "
                              "--pipeline.")
 
-    def param_rules(self, strategy: Any, rules: Rules) -> Rules:
+    def param_rules(self, strategy: Strategy, rules: Rules) -> Rules:
         return rules.merge(PP).update(name=rules.name)
 
-    def batch_rules(self, strategy: Any) -> Rules:
+    def batch_rules(self, strategy: Strategy) -> Rules:
         return Rules(activations={"batch": ROW_AXES}, name="pipeline-batch")
 
-    def check(self, strategy: Any, model_like: PyTree, *, rows: int, seq_len: int) -> None:
+    def check(self, strategy: Strategy, model_like: PyTree, *, rows: int, seq_len: int) -> None:
         check_pipeline(num_layers(model_like), strategy.mesh, pipeline_schedule(strategy.mesh, self),
                        context=_sequence_part(strategy), layers_per_stage=self.layers_per_stage)
 
-    def grad_fn(self, strategy: Any, policy: Policy, *, chunk_size: int, z_loss: float,
+    def grad_fn(self, strategy: Strategy, policy: Policy, *, chunk_size: int, z_loss: float,
                 model_like: PyTree) -> GradFn:
         return pipeline_grad_fn(strategy.mesh, pipeline_schedule(strategy.mesh, self),
                                 rules=strategy.param_rules, chunk_size=chunk_size, z_loss=z_loss, policy=policy,
                                 context=_sequence_part(strategy), layers_per_stage=self.layers_per_stage,
                                 bucket_bytes=bucket_bytes_of(self.bucket_mb))
 
-    def notes(self, strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
+    def notes(self, strategy: Strategy, model_like: PyTree, batch_shape: tuple[int, int]) -> list[str]:
         return [describe_stages(strategy, model_like, batch_shape)]
 
-    def describe(self, strategy: Any) -> str:
+    def describe(self, strategy: Strategy) -> str:
         split = self.layers_per_stage
         split = "" if split == "equal" else f" layers={split if isinstance(split, str) else ','.join(map(str, split))}"
         buckets = "" if self.bucket_mb is None else f" buckets {self.bucket_mb:g} MiB"
         return f"pipeline {self.schedule} m={self.microbatches}{split}{buckets}"
 
 
-def _sequence_part(strategy: Any) -> Any:
+def _sequence_part(strategy: Strategy) -> Any:
     """The part splitting the sequence (its kernels run inside the stages), or `None`."""
     return next((p for p in strategy.parts if p.sequence_axis is not None), None)
 
@@ -131,7 +134,7 @@ def pipeline_schedule(mesh: Mesh, pipeline: Pipeline) -> Schedule:
                                   pipeline.virtual_stages)
 
 
-def describe_stages(strategy: Any, model_like: PyTree, batch_shape: tuple[int, int]) -> str | None:
+def describe_stages(strategy: Strategy, model_like: PyTree, batch_shape: tuple[int, int]) -> str | None:
     """One line for a run's log: the schedule's bubble and the layers of each virtual stage
     (`None` without a pipeline).
 
