@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import tyro
 
+from eqgpt.cli.train import config_from_json
 from eqgpt.parallel import Manual, ParallelFlags, Pipeline, Zero
 from eqgpt.parallel.flags import tyro_registry
 from eqgpt.parallel.part import Part
@@ -70,12 +71,12 @@ def test_recipe_flags_keep_their_spellings():
 def test_flags_round_trip_through_the_run_config():
     cfg = parse("--mesh", "pipeline=2,data=4", "--pipeline", "zb1", "--pipeline-layers", "3,1", "--context", "ring")
     saved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    assert RECIPE.config_from_json(RECIPE.TrainConfig, saved).parallel == cfg.parallel
+    assert config_from_json(RECIPE.TrainConfig, saved).parallel == cfg.parallel
     resumed = tyro.cli(RECIPE.TrainConfig, registry=tyro_registry(), args=["--microbatches", "8"],
                        default=cfg)  # --resume's defaults
     assert resumed.parallel.pipeline == Pipeline("zb1", 8, layers_per_stage=(3, 1))
     old = {"mesh": "data=8", "strategy": "dp", "manual": True, "zero": 0, "microbatches": 4}  # before ParallelFlags
-    assert RECIPE.config_from_json(RECIPE.TrainConfig, old).parallel.manual == Manual()
+    assert config_from_json(RECIPE.TrainConfig, old).parallel.manual == Manual()
 
 
 def test_help_groups_the_parallel_flags(capsys):

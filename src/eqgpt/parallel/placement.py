@@ -53,7 +53,7 @@ class Placement(Protocol):
     def batch_divisor(self) -> int: ...
 
 
-def _global_rows(x: Any, sharding_of: Callable[[int, tuple[int, ...]], jax.sharding.Sharding]) -> jax.Array:
+def _global_rows(x: Any, sharding_of: Callable[[int, tuple[int, ...]], jax.sharding.Sharding]) -> jax.Array | jax.ShapeDtypeStruct:
     """One global array from this process's rows; a `jax.ShapeDtypeStruct` (shapes only) stays one, with
     its sharding (its rows are already the global batch's)."""
     if isinstance(x, jax.ShapeDtypeStruct):

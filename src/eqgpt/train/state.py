@@ -26,10 +26,11 @@ class TrainState(eqx.Module):
     skipped: Int[Array, ""]
     loss_scale: LossScale | None
 
-    def __init__(self, model: PyTree, opt_state: optax.OptState, step=0, *, rng: PRNGKeyArray, skipped=0,
+    def __init__(self, model: PyTree, opt_state: optax.OptState, step=0, *, rng: PRNGKeyArray | jax.ShapeDtypeStruct, skipped=0,
                  loss_scale: LossScale | None = None):
         """**Arguments:** `model`, `opt_state`, `step` (default 0), `rng`, `skipped` (default 0),
-        `loss_scale` (default `None`: no loss scaling)."""
+        `loss_scale` (default `None`: no loss scaling). A `jax.ShapeDtypeStruct` key (and shapes for the
+        model and optimizer state) make a state of shapes, which `eqgpt.plan` lowers the step from."""
         self.model = model
         self.opt_state = opt_state
         self.step = jnp.asarray(step, jnp.int32)
