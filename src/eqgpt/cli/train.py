@@ -44,8 +44,9 @@ from eqgpt.nn.factory import factory_path, import_modules
 from eqgpt.nn.kernels import auto_kernel_name
 from eqgpt.nn.mask import make_mask
 from eqgpt.parallel import ParallelFlags
+from eqgpt.profile.compiles import CompileLog
 from eqgpt.profile.flops import flops_per_token, peak_flops
-from eqgpt.sample import generate_text, on_one_device
+from eqgpt.sample import generate_texts, on_one_device
 from eqgpt.train import (
     Policy,
     Strategy,
@@ -372,11 +373,11 @@ def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok)
         return []
     model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
     rng = jax.device_put(state.rng.addressable_data(0), jax.local_devices()[0])  # replicated: this process's copy
-    return [generate_text(model, tok, p, n_new, key=jax.random.fold_in(rng, i))[0]
-            for i, p in enumerate(cfg.sample_prompts)]
+    return generate_texts(model, tok, cfg.sample_prompts, n_new, key=rng)  # one batch; prompt i: fold_in(rng, i)
 
 
-def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float) -> dict:
+def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float,
+           compiles: CompileLog | None = None) -> dict:
     """Save the model, plot, sample and summarise; **returns** the summary."""
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
@@ -403,6 +404,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     _, vals = trainer.history.series("val_loss")
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
                    seconds=trainer.seconds_before + time.perf_counter() - t0, samples=samples)
+    if compiles is not None:
+        summary["compile_seconds"] = compiles.phases()
     if is_main:
         plot_history(trainer.history, out / "loss.png",
                      title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
@@ -413,6 +416,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
         val = f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} nats/token " if vals else ""
         val += f"({bpb[0]:.3f} -> {bpb[-1]:.3f} bits/byte) " if bpb else ""
         print(f"done: {val}in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
+        if compiles is not None:
+            print(compiles.summary())
     return summary
 
 
@@ -496,7 +501,7 @@ def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
 
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
-    t0 = time.perf_counter()
+    t0, compiles = time.perf_counter(), CompileLog()  # this run's compiles, by phase
     check_run_flags(cfg)  # before start-up: an error is the only output, not mixed with the backend's
     compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
@@ -553,7 +558,8 @@ def main(cfg: TrainConfig) -> dict:
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
     if resumed is None and cfg.out_dir is None:
         point_latest(out)  # runs/latest: only a run that trains
-    return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0)
+    state = compiles.training(trainer.run, int(trainer.state.step))
+    return finish(cfg, trainer, state, out, corpus, model_cfg, t0, compiles)
 
 
 def model_line(cfg: TrainConfig, model_cfg, model_like, policy, corpus, strategy: Strategy, peak: str) -> str:

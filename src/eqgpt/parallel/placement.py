@@ -73,9 +73,9 @@ class SingleDevice:
         self.sharding = jax.sharding.SingleDeviceSharding(self.device)
 
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
-        """`make(key)`, built by a compiled function directly on the device."""
-        with jax.default_device(self.device):
-            return eqx.filter_jit(make)(key)
+        """`make(key)`, built by a compiled function directly on the device, its arrays committed
+        there as a step's outputs are: a jitted function called with both compiles once."""
+        return eqx.filter_jit(make)(jax.device_put(key, self.sharding))
 
     def place_model(self, model: PyTree) -> PyTree:
         """The model's arrays moved to the device, its activation hooks back to no constraint."""
