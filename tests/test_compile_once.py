@@ -7,9 +7,9 @@ served by the first run's in-memory cache; the train and eval steps are built af
 
 import pytest
 import tyro
-from recipe_runs import TINY, load_recipe, shared_corpus
 
 from eqgpt.profile.compiles import CompileLog
+from recipe_runs import TINY, load_recipe, shared_corpus
 
 # Eager operations dispatched one at a time compile once per operand shape and dtype:
 # a second compile under these names is a new shape, not a repeated program.

@@ -80,7 +80,7 @@ def test_batched_prompts_equal_one_at_a_time(config, lengths, sampled):
     for kw in ({"temperature": 0.0}, {"temperature": 0.8, "top_k": 8})[: 1 + sampled]:
         rows, compiles = count_compiles(lambda kw=kw: generate_many(model, prompts, n, key=key, **kw))
         assert compiles.get("_generate_rows") == 1, compiles  # every length, one program
-        for i, (p, row) in enumerate(zip(prompts, rows)):
+        for i, (p, row) in enumerate(zip(prompts, rows, strict=True)):
             alone = generate(model, jnp.asarray(p)[None], n, key=jax.random.fold_in(key, i), **kw)[0]
             np.testing.assert_array_equal(row, np.asarray(alone), err_msg=f"prompt {i} ({len(p)} tokens), {kw}")
 
@@ -93,10 +93,10 @@ def test_batched_stop_tokens_and_text():
     free = generate_many(model, prompts, 12, key=jax.random.key(0), temperature=0.0)
     stop = int(free[1][10])
     cut = generate_many(model, prompts, 12, key=jax.random.key(0), temperature=0.0, stop_tokens=(stop,))
-    for p, f, c in zip(prompts, free, cut):
+    for p, c in zip(prompts, cut, strict=True):
         alone = generate(model, jnp.asarray(p)[None], 12, key=jax.random.key(0), temperature=0.0,
                          stop_tokens=(stop,))[0]
         np.testing.assert_array_equal(c, np.asarray(alone))
     assert (cut[1][11:] == stop).all()
     texts = generate_texts(model, ByteTokenizer(), ["de", "class "], 5, key=jax.random.key(0), temperature=0.0)
-    assert [t[: len(p)] for t, p in zip(texts, ["de", "class "])] == ["de", "class "]
+    assert [t[: len(p)] for t, p in zip(texts, ["de", "class "], strict=True)] == ["de", "class "]

@@ -319,7 +319,7 @@ def generate_texts(
     rows = generate_many(model, ids, max_new_tokens, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
                          stop_tokens=tuple(dict.fromkeys(tokens)), strategy=strategy)
     texts = []
-    for prompt, row in zip(ids, rows):
+    for prompt, row in zip(ids, rows, strict=True):
         new = row[len(prompt):]
         hits = np.flatnonzero(np.isin(new, tokens)) if tokens else []
         new = new[: hits[0]] if len(hits) else new

@@ -104,7 +104,8 @@ class CompileLog:
     def summary(self) -> str:
         """'compiled in 41 s (train 18, eval 9, sample 14, other 0), trained 30 steps in 4 s'."""
         phases = self.phases()
-        line = f"compiled in {sum(phases.values()):.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()) + ")"
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
+        line = f"compiled in {sum(phases.values()):.0f} s ({parts})"
         if self.trained is not None:
             line += f", trained {self.trained[0]} steps in {self.trained[1]:.0f} s"
         return line
