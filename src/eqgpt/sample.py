@@ -182,8 +182,9 @@ def on_one_device(model: GPT) -> GPT:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        arrays = multihost_utils.process_allgather(arrays, tiled=True)
-    arrays = jax.device_put(jax.device_get(arrays), jax.local_devices()[0])
+        arrays = jax.device_get(multihost_utils.process_allgather(arrays, tiled=True))
+    # device to device (no copy for arrays already there), committed: the program compiled ahead serves it
+    arrays = jax.device_put(arrays, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     return eqx.combine(arrays, static)
 
 
@@ -261,6 +262,7 @@ def generate_many(
     top_p: float | None = None,
     stop_tokens: Sequence[int] = (),
     strategy=None,
+    compiled=None,
 ) -> list[np.ndarray]:
     """Continue prompts of any lengths in one batch and one compiled program.
 
@@ -269,25 +271,53 @@ def generate_many(
     the same sampling settings, prompts of 1..15 tokens and up to 4 rows runs the same
     program, from the trainer's end-of-run samples to `eqgpt-sample`. Row `r` samples step `i`
     with `fold_in(fold_in(key, r), i)`; greedy rows equal `generate` on that prompt alone.
-    Arguments as `generate`'s; **returns** each prompt followed by its continuation (up to
-    `max_new_tokens`; after a stop token, `stop_tokens[0]`).
+    Arguments as `generate`'s, and `compiled`: the program from `lower_texts(...).compile()`, if compiled
+    ahead. **Returns** each prompt followed by its continuation (up to `max_new_tokens`; after
+    a stop token, `stop_tokens[0]`).
     """
-    seq_len = model.config.seq_len
+    model, args = _rows_args(model, prompts, max_new_tokens, key, temperature, top_k, top_p, stop_tokens, strategy)
+    out = np.asarray(jax.device_get((compiled or _generate_rows)(model, *args)))
+    return [out[r, : len(ids) + max_new_tokens] for r, ids in enumerate(prompts)]
+
+
+def _rows_args(model, prompts, max_new_tokens, key, temperature, top_k, top_p, stop_tokens, strategy):
+    """The placed model and the rest of `_generate_rows`'s arguments for these prompts."""
     for ids in prompts:
         _check(model, len(ids), max_new_tokens, temperature, top_k, top_p)
     multiple = 1 if strategy is None or strategy.mesh is None else strategy.rows_divisor
     rows = rows_bucket(len(prompts), multiple)
-    tokens = np.full((rows, seq_len), stop_tokens[0] if stop_tokens else 0, np.int32)
+    tokens = np.full((rows, model.config.seq_len), stop_tokens[0] if stop_tokens else 0, np.int32)
     lengths = np.ones(rows, np.int32)
     for r, ids in enumerate(prompts):
         tokens[r, : len(ids)], lengths[r] = ids, len(ids)
     live = np.arange(rows) < len(prompts)
     model, tokens = _place(strategy, model, jnp.asarray(tokens))
-    out = _generate_rows(model, tokens, jnp.asarray(lengths), jnp.asarray(live), jnp.asarray(max_new_tokens, jnp.int32),
-                         key, prefill_bucket(min(len(p) for p in prompts)), float(temperature), top_k,
-                         None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
-    out = np.asarray(jax.device_get(out))
-    return [out[r, : len(ids) + max_new_tokens] for r, ids in enumerate(prompts)]
+    return model, (tokens, jnp.asarray(lengths), jnp.asarray(live), jnp.asarray(max_new_tokens, jnp.int32), key,
+                   prefill_bucket(min(len(p) for p in prompts)), float(temperature), top_k,
+                   None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
+
+
+def _stops(tokenizer, stop: Sequence[str | int]) -> tuple[list[str], tuple[int, ...]]:
+    """The stop strings, and the token ids that end decoding (ids, one-token strings, end-of-text)."""
+    strings = [s for s in stop if isinstance(s, str)]
+    tokens = [int(s) for s in stop if not isinstance(s, str)]
+    tokens += [int(t[0]) for s in strings if len(t := tokenizer.encode(s)) == 1]
+    eos = getattr(tokenizer, "eos_id", None)
+    tokens += [eos] if eos is not None else []
+    return strings, tuple(dict.fromkeys(tokens))
+
+
+def lower_texts(model: GPT, tokenizer, prompts: Sequence[str], max_new_tokens: int, *, key: PRNGKeyArray,
+                temperature: float = 0.8, top_k: int | None = 40, top_p: float | None = None,
+                stop: Sequence[str | int] = ()):
+    """The program `generate_texts` runs for these arguments, lowered (its `.compile()` goes to
+    `generate_texts(..., compiled=)` with any model of the same shapes, any `key` and any
+    `max_new_tokens`; the same settings, rows and prompt buckets). The recipe compiles it
+    while it trains."""
+    ids = [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
+    model, args = _rows_args(model, ids, max_new_tokens, key, temperature, top_k, top_p, _stops(tokenizer, stop)[1],
+                             None)
+    return _generate_rows.lower(model, *args)
 
 
 def generate_texts(
@@ -302,22 +332,19 @@ def generate_texts(
     top_p: float | None = None,
     stop: Sequence[str | int] = (),
     strategy=None,
+    compiled=None,
 ) -> list[str]:
     """One continuation of each text in `prompts` (prompt included), decoded; all in one batch
-    (`generate_many`: prompt `i` samples with `fold_in(key, i)`).
+    (`generate_many`: prompt `i` samples with `fold_in(key, i)`; `compiled`: `lower_texts(...).compile()`).
 
     `stop` holds token ids and strings: generation stops at a token id (and at the
     tokenizer's end-of-text token, if it has one); the text is cut before the first
     stop string that follows the prompt (strings that are one token also end decoding early).
     """
     ids = [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
-    strings = [s for s in stop if isinstance(s, str)]
-    tokens = [int(s) for s in stop if not isinstance(s, str)]
-    tokens += [int(t[0]) for s in strings if len(t := tokenizer.encode(s)) == 1]
-    eos = getattr(tokenizer, "eos_id", None)
-    tokens += [eos] if eos is not None else []
+    strings, tokens = _stops(tokenizer, stop)
     rows = generate_many(model, ids, max_new_tokens, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
-                         stop_tokens=tuple(dict.fromkeys(tokens)), strategy=strategy)
+                         stop_tokens=tokens, strategy=strategy, compiled=compiled)
     texts = []
     for prompt, row in zip(ids, rows, strict=True):
         new = row[len(prompt):]

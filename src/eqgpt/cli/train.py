@@ -15,6 +15,7 @@ Every option is a dataclass field below (`eqgpt.cli.flags` for --model, --data,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import signal
 import sys
@@ -32,6 +33,7 @@ import tyro
 import eqgpt
 from eqgpt import distributed
 from eqgpt.cli import exit_on_user_error, imports_in
+from eqgpt.cli.ahead import Ahead
 from eqgpt.cli.checks import check_numbers, check_writable
 from eqgpt.cli.flags import DataConfig, ModelConfig, OptimConfig
 from eqgpt.compile_cache import COMPILE_CACHE_BYTES, enable_compile_cache  # noqa: F401  (tests read the bound)
@@ -46,13 +48,14 @@ from eqgpt.nn.mask import make_mask
 from eqgpt.parallel import ParallelFlags
 from eqgpt.profile.compiles import CompileLog
 from eqgpt.profile.flops import flops_per_token, peak_flops
-from eqgpt.sample import generate_texts, on_one_device
+from eqgpt.sample import generate_texts, lower_texts, on_one_device
 from eqgpt.train import (
     Policy,
     Strategy,
     Trainer,
     TrainerConfig,
     TrainState,
+    eval_batches,
     make_eval_fn,
     make_lr_schedule,
     make_optimizer,
@@ -366,18 +369,41 @@ def check_prompts(cfg: TrainConfig, tok) -> None:
             raise ValueError(f"--sample-prompts {prompt!r}: {e}") from None
 
 
-def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> list[str]:
-    """Generate from --sample-prompts with the trained model (KV cache, one device's view)."""
+def sample_inputs(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> tuple | None:
+    """`generate_texts`'s arguments for --sample-prompts, and its key; `None` when there are none."""
     n_new = min(cfg.sample_tokens, model_cfg.seq_len - max((len(tok.encode(p)) for p in cfg.sample_prompts), default=0))
-    if n_new < 1:
-        return []
+    if n_new < 1 or not cfg.sample_prompts:
+        return None
     model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
     rng = jax.device_put(state.rng.addressable_data(0), jax.local_devices()[0])  # replicated: this process's copy
-    return generate_texts(model, tok, cfg.sample_prompts, n_new, key=rng)  # one batch; prompt i: fold_in(rng, i)
+    return (model, tok, cfg.sample_prompts, n_new), rng
+
+
+def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok, compiled=None) -> list[str]:
+    """Generate from --sample-prompts with the trained model (KV cache, one device's view, one batch:
+    prompt i draws with fold_in(rng, i)); `compiled`: the program `compile_ahead` made."""
+    inputs = sample_inputs(cfg, state, model_cfg, tok)
+    return [] if inputs is None else generate_texts(*inputs[0], key=inputs[1], compiled=compiled)
+
+
+def compile_ahead(cfg: TrainConfig, state: TrainState, strategy: Strategy, eval_fn, val, model_cfg, corpus) -> Ahead:
+    """The validation and sampling programs, compiling in background threads (`eqgpt.cli.ahead`)."""
+    ahead = Ahead()
+    if val is not None:
+        first = eval_batches(val, TrainerConfig.eval_batch_size, strategy.batch_divisor)[0][0]
+        ahead.submit("eval", lambda: eval_fn.lower(state.model, strategy.batch(first)))
+    if cfg.sample_tokens and tokenizer_decodes(corpus, model_cfg):
+        def lower_sampler():
+            inputs = sample_inputs(cfg, state, model_cfg, corpus.tokenizer)
+            return None if inputs is None else lower_texts(*inputs[0], key=inputs[1])
+
+        ahead.submit("sample", lower_sampler)
+    ahead.close()  # no more jobs; the submitted ones run on
+    return ahead
 
 
 def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float,
-           compiles: CompileLog | None = None) -> dict:
+           compiles: CompileLog | None = None, ahead: Ahead | None = None) -> dict:
     """Save the model, plot, sample and summarise; **returns** the summary."""
     is_main = distributed.is_main_process()
     summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
@@ -399,7 +425,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     save_model(out, state.model)
     if is_main:
         corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
-    samples = sample(cfg, state, model_cfg, corpus.tokenizer) if tokenizer_decodes(corpus, model_cfg) else []
+    samples = (sample(cfg, state, model_cfg, corpus.tokenizer, ahead and ahead.get("sample"))
+               if tokenizer_decodes(corpus, model_cfg) else [])
     trainer.log_samples(summary["steps"], samples)
     _, vals = trainer.history.series("val_loss")
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
@@ -473,6 +500,7 @@ def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, m
     resolved to the largest batch that fits; **returns** `cfg` with that batch and the compiled step (`None`
     where the device's memory is unknown, as on a CPU). Raises `DoesNotFit` (a `ValueError` naming the GiB
     and the flags to change) before anything is written."""
+    @functools.cache  # 'auto' compiled the size it chose: the check below reuses that program
     def compile_at(rows: int):
         step = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                                z_loss=cfg.z_loss, model_like=model_like)
@@ -523,6 +551,10 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.batch_size != "auto":
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model)
+    eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
+    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
+           if cfg.eval_windows else None)
+    ahead = compile_ahead(cfg, state, strategy, eval_fn, val, model_cfg, corpus)  # while the step compiles
     cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)  # before any file
     out = resumed or run_dir_of(cfg)  # only now, so that a bad flag leaves no directory behind
     describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
@@ -538,15 +570,12 @@ def main(cfg: TrainConfig) -> dict:
         # compile again at step 2, as the state it returns spells its shardings differently from the placed one
         windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
         step_fn = compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
-    eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))
-    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
-           if cfg.eval_windows else None)
     trainer = Trainer(
-        step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
-        val_windows=val,
+        step_fn, state, loader, strategy, eval_fn=ahead.get("eval") or eval_fn, schedule=schedule,
+        checkpointer=checkpointer, val_windows=val,
         config=TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
                              progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
                              max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
@@ -558,8 +587,9 @@ def main(cfg: TrainConfig) -> dict:
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
     if resumed is None and cfg.out_dir is None:
         point_latest(out)  # runs/latest: only a run that trains
+    ahead.lowered()  # before the step donates the arrays they were lowered with
     state = compiles.training(trainer.run, int(trainer.state.step))
-    return finish(cfg, trainer, state, out, corpus, model_cfg, t0, compiles)
+    return finish(cfg, trainer, state, out, corpus, model_cfg, t0, compiles, ahead)
 
 
 def model_line(cfg: TrainConfig, model_cfg, model_like, policy, corpus, strategy: Strategy, peak: str) -> str:
