@@ -292,7 +292,14 @@ def _rows_args(model, prompts, max_new_tokens, key, temperature, top_k, top_p, s
         tokens[r, : len(ids)], lengths[r] = ids, len(ids)
     live = np.arange(rows) < len(prompts)
     model, tokens = _place(strategy, model, jnp.asarray(tokens))
-    return model, (tokens, jnp.asarray(lengths), jnp.asarray(live), jnp.asarray(max_new_tokens, jnp.int32), key,
+    arrays = (tokens, lengths, live, np.int32(max_new_tokens), key)
+    if strategy is None or strategy.mesh is None:  # all committed to the model's device, however the model came:
+        # the trainer's and eqgpt-sample's calls then lower to one program (one persistent-cache entry)
+        params, static = eqx.partition(model, eqx.is_array)
+        device = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(params)[0].devices())))
+        params, arrays = jax.device_put((params, arrays), device)
+        model = eqx.combine(params, static)
+    return model, (*arrays,
                    prefill_bucket(min(len(p) for p in prompts)), float(temperature), top_k,
                    None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
 
