@@ -192,6 +192,8 @@ def compare_layers(args) -> int:
                "--kernel", kernel, "--time-steps", str(args.time_steps)]
         cmd += ["--topology", args.topology] if args.topology else []
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # no cache: a cold compile
+        if args.topology:  # JAX on the CPU; libtpu only compiles (and may be loaded by other processes)
+            env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if out.returncode:
             raise RuntimeError(f"{choice} failed:\n{out.stdout}{out.stderr[-4000:]}")
