@@ -186,7 +186,10 @@ def compare_layers(args) -> int:
     if unknown:
         raise ValueError(f"--layer-choices: unknown {unknown}; choose from {list(LAYER_CHOICES)}")
     kernel = args.kernel or ("splash" if args.topology else "auto")
-    rows = []
+    on = f"compile-only {args.topology}" if args.topology else "the first device"
+    print(f"{args.preset}, batch {args.batch}, bf16, attention {kernel}, on {on}: one chip's training step, "
+          "a cold compile per choice")
+    print(f"{'layers':<10} {'trace+lower s':>13} {'compile s':>9} {'step ms':>8}")
     for choice in args.layer_choices:
         cmd = [sys.executable, __file__, "--run-choice", choice, "--preset", args.preset, "--batch", str(args.batch),
                "--kernel", kernel, "--time-steps", str(args.time_steps)]
@@ -197,13 +200,9 @@ def compare_layers(args) -> int:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if out.returncode:
             raise RuntimeError(f"{choice} failed:\n{out.stdout}{out.stderr[-4000:]}")
-        rows.append((choice, json.loads(out.stdout.strip().splitlines()[-1])))
-    print(f"{args.preset}, batch {args.batch}, bf16, attention {kernel}, on {rows[0][1]['platform']}: "
-          "one chip's training step, a cold compile per choice")
-    print(f"{'layers':<10} {'trace+lower s':>13} {'compile s':>9} {'step ms':>8}")
-    for choice, r in rows:
+        r = json.loads(out.stdout.strip().splitlines()[-1])
         step = f"{r['step_ms']:8.1f}" if r["step_ms"] is not None else f"{'-':>8}"
-        print(f"{choice:<10} {r['lower']:13.1f} {r['compile']:9.1f} {step}", flush=True)
+        print(f"{choice:<10} {r['lower']:13.1f} {r['compile']:9.1f} {step}  ({r['platform']})", flush=True)
     print("scan: one lax.scan iteration per layer; scanN: N layers per iteration (GPTConfig.scan_unroll); "
           "unrolled: every layer in the program; step: median of --time-steps after two warm-up steps")
     return 0
