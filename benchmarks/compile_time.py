@@ -164,9 +164,9 @@ def run_choice(choice: str, preset: str, batch: int, topology: str | None, kerne
         batch_arrays = jax.device_put(Batch.from_windows(windows))
         t0 = time.perf_counter()
         lowered = step.lower(state, batch_arrays)
-    t_lower = time.perf_counter()
+    t_lower, cpu_lower = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
-    t_compile = time.perf_counter()
+    t_compile, cpu_compile = time.perf_counter(), time.process_time() - cpu_lower
     step_ms = None
     if state is not None and steps:
         times = []
@@ -176,7 +176,7 @@ def run_choice(choice: str, preset: str, batch: int, topology: str | None, kerne
             jax.block_until_ready(metrics["loss"])
             times.append(time.perf_counter() - start)
         step_ms = 1e3 * float(np.median(times[2:]))
-    return {"lower": t_lower - t0, "compile": t_compile - t_lower, "step_ms": step_ms,
+    return {"lower": t_lower - t0, "compile": t_compile - t_lower, "compile_cpu": cpu_compile, "step_ms": step_ms,
             "platform": "compile-only " + topology if topology else jax.devices()[0].platform}
 
 
@@ -189,7 +189,7 @@ def compare_layers(args) -> int:
     on = f"compile-only {args.topology}" if args.topology else "the first device"
     print(f"{args.preset}, batch {args.batch}, bf16, attention {kernel}, on {on}: one chip's training step, "
           "a cold compile per choice")
-    print(f"{'layers':<10} {'trace+lower s':>13} {'compile s':>9} {'step ms':>8}")
+    print(f"{'layers':<10} {'trace+lower s':>13} {'compile s':>9} {'compile CPU s':>13} {'step ms':>8}")
     for choice in args.layer_choices:
         cmd = [sys.executable, __file__, "--run-choice", choice, "--preset", args.preset, "--batch", str(args.batch),
                "--kernel", kernel, "--time-steps", str(args.time_steps)]
@@ -202,9 +202,11 @@ def compare_layers(args) -> int:
             raise RuntimeError(f"{choice} failed:\n{out.stdout}{out.stderr[-4000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         step = f"{r['step_ms']:8.1f}" if r["step_ms"] is not None else f"{'-':>8}"
-        print(f"{choice:<10} {r['lower']:13.1f} {r['compile']:9.1f} {step}  ({r['platform']})", flush=True)
+        print(f"{choice:<10} {r['lower']:13.1f} {r['compile']:9.1f} {r['compile_cpu']:13.1f} {step}  "
+              f"({r['platform']})", flush=True)
     print("scan: one lax.scan iteration per layer; scanN: N layers per iteration (GPTConfig.scan_unroll); "
-          "unrolled: every layer in the program; step: median of --time-steps after two warm-up steps")
+          "unrolled: every layer in the program; compile CPU: the process's CPU seconds during the compile (every "
+          "thread; what a loaded machine's wall clock hides); step: median of --time-steps after two warm-up steps")
     return 0
 
 
