@@ -19,6 +19,15 @@ persistent compilation cache in DIR (emptied first) set as the recipe sets it:
 
 Run: `python benchmarks/compile_time.py [--cases fsdp+tp ...] [--cache /tmp/xla-cache]`
 (`--list` names the cases; `--preset nano --layers 2` for a quick check).
+
+**Scan or unroll** (`--layer-choices scan,scan2,scan4,unrolled`): the training step of one
+chip (bf16, the recipe's policy) with its layers scanned (`GPTConfig.scan_unroll` 1, 2 or 4
+layers per iteration) or unrolled, each in a fresh process: trace and lower, XLA compile,
+and on a real accelerator the median step time. `--topology v5e:1x1` compiles for a TPU
+that is not there (libtpu's compile-only devices, on a CPU host): compile times, no steps.
+
+    python benchmarks/compile_time.py --layer-choices scan,scan2,scan4,unrolled --topology v5e:1x1
+    python benchmarks/compile_time.py --layer-choices scan,scan2,scan4,unrolled --batch 16   # on the v5e
 """
 
 from __future__ import annotations
@@ -109,6 +118,98 @@ def run_case(case: Case, preset: str, batch: int, seq: int | None, vocab: int | 
     }
 
 
+LAYER_CHOICES = {"scan": (True, 1), "scan2": (True, 2), "scan3": (True, 3), "scan4": (True, 4),
+                 "unrolled": (False, 1)}
+"""Choice name -> (GPTConfig.scan_layers, scan_unroll)."""
+
+
+def run_choice(choice: str, preset: str, batch: int, topology: str | None, kernel: str, steps: int) -> dict:
+    """Compile one chip's bf16 training step with the layers as `choice` says (JAX not yet
+    initialised); on a real device also time `steps` steps. **Returns** seconds per phase."""
+    import jax
+
+    durations: dict[str, float] = {}
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: durations.__setitem__(event, durations.get(event, 0.0) + secs))
+    import equinox as eqx
+    import numpy as np
+
+    import eqgpt
+    from eqgpt.data import Batch
+    from eqgpt.nn import GPT
+    from eqgpt.train import Policy, TrainState, make_lr_schedule, make_optimizer, make_train_step
+
+    scan, unroll = LAYER_CHOICES[choice]
+    config = eqgpt.preset(preset, scan_layers=scan, scan_unroll=unroll, attention_kernel=kernel)
+    policy = Policy.named("bf16")
+    optimizer = policy.optimizer(make_optimizer(make_lr_schedule(1e-4, total_steps=1000, warmup_steps=10)))
+    make_state = lambda k: TrainState(*(lambda m: (m, optimizer.init(eqx.filter(m, eqx.is_array))))(  # noqa: E731
+        policy.cast_to_param(GPT(config, key=k))), rng=k, loss_scale=policy.loss_scale_state())
+    windows = np.zeros((batch, config.seq_len + 1), np.int32)
+    step = make_train_step(optimizer, policy=policy)
+    t0 = time.perf_counter()
+    if topology:  # compile-only devices: abstract arguments, the step's function under jax.jit
+        from jax.experimental import topologies
+
+        device = topologies.get_topology_desc(topology, "tpu", chips_per_host_bounds=(1, 1, 1)).devices[0]
+        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device))  # noqa: E731
+        abstract = jax.eval_shape(make_state, jax.random.key(0))
+        dynamic, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        inner = step.__wrapped__
+        fn = jax.jit(lambda d, b: eqx.filter(inner(eqx.combine(d, static), b), eqx.is_array), donate_argnums=0)
+        lowered = fn.lower(jax.tree.map(place, dynamic), jax.tree.map(place, Batch.from_windows(windows)))
+        state = batch_arrays = None
+    else:
+        state = eqx.filter_jit(make_state)(jax.random.key(0))
+        batch_arrays = jax.device_put(Batch.from_windows(windows))
+        t0 = time.perf_counter()
+        lowered = step.lower(state, batch_arrays)
+    t_lower, cpu_lower = time.perf_counter(), time.process_time()
+    compiled = lowered.compile()
+    t_compile, cpu_compile = time.perf_counter(), time.process_time() - cpu_lower
+    step_ms = None
+    if state is not None and steps:
+        times = []
+        for _ in range(steps + 2):  # two warm-up steps
+            start = time.perf_counter()
+            state, metrics = compiled(state, batch_arrays)
+            jax.block_until_ready(metrics["loss"])
+            times.append(time.perf_counter() - start)
+        step_ms = 1e3 * float(np.median(times[2:]))
+    return {"lower": t_lower - t0, "compile": t_compile - t_lower, "compile_cpu": cpu_compile, "step_ms": step_ms,
+            "platform": "compile-only " + topology if topology else jax.devices()[0].platform}
+
+
+def compare_layers(args) -> int:
+    """The scan-or-unroll table: one fresh process per choice."""
+    unknown = [c for c in args.layer_choices if c not in LAYER_CHOICES]
+    if unknown:
+        raise ValueError(f"--layer-choices: unknown {unknown}; choose from {list(LAYER_CHOICES)}")
+    kernel = args.kernel or ("splash" if args.topology else "auto")
+    on = f"compile-only {args.topology}" if args.topology else "the first device"
+    print(f"{args.preset}, batch {args.batch}, bf16, attention {kernel}, on {on}: one chip's training step, "
+          "a cold compile per choice")
+    print(f"{'layers':<10} {'trace+lower s':>13} {'compile s':>9} {'compile CPU s':>13} {'step ms':>8}")
+    for choice in args.layer_choices:
+        cmd = [sys.executable, __file__, "--run-choice", choice, "--preset", args.preset, "--batch", str(args.batch),
+               "--kernel", kernel, "--time-steps", str(args.time_steps)]
+        cmd += ["--topology", args.topology] if args.topology else []
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # no cache: a cold compile
+        if args.topology:  # JAX on the CPU; libtpu only compiles (and may be loaded by other processes)
+            env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if out.returncode:
+            raise RuntimeError(f"{choice} failed:\n{out.stdout}{out.stderr[-4000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        step = f"{r['step_ms']:8.1f}" if r["step_ms"] is not None else f"{'-':>8}"
+        print(f"{choice:<10} {r['lower']:13.1f} {r['compile']:9.1f} {r['compile_cpu']:13.1f} {step}  "
+              f"({r['platform']})", flush=True)
+    print("scan: one lax.scan iteration per layer; scanN: N layers per iteration (GPTConfig.scan_unroll); "
+          "unrolled: every layer in the program; compile CPU: the process's CPU seconds during the compile (every "
+          "thread; what a loaded machine's wall clock hides); step: median of --time-steps after two warm-up steps")
+    return 0
+
+
 def start(name: str, args, cache: str | None) -> dict:
     """Run one case in a new process; **returns** its phases."""
     cmd = [sys.executable, __file__, "--run", name, "--preset", args.preset, "--batch", str(args.batch)]
@@ -140,7 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=None, help="persistent compilation cache directory: cold start, then warm")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: run one case in this process
+    p.add_argument("--layer-choices", default=None, type=lambda v: v.split(","),
+                   help=f"scan or unroll: compare these ({', '.join(LAYER_CHOICES)}), comma-separated")
+    p.add_argument("--topology", default=None, help="with --layer-choices: compile for this TPU, e.g. v5e:1x1 "
+                   "(libtpu's compile-only devices; no steps)")
+    p.add_argument("--kernel", default=None, help="with --layer-choices: attention kernel (default: splash with "
+                   "--topology, else auto)")
+    p.add_argument("--time-steps", type=int, default=10, help="with --layer-choices: steps timed on a real device")
+    p.add_argument("--run-choice", default=None, help=argparse.SUPPRESS)  # internal: one layer choice
     args = p.parse_args(argv)
+    if args.run_choice:
+        print(json.dumps(run_choice(args.run_choice, args.preset, args.batch, args.topology, args.kernel,
+                                    args.time_steps)))
+        return 0
+    if args.layer_choices:
+        return compare_layers(args)
     if args.list:
         print("\n".join(CASES))
         return 0

@@ -86,7 +86,7 @@ def test_check_fits_names_the_gib_and_the_flags():
 
 
 def recipe(tmp_path, *args, memory_gib):
-    env = {**os.environ, "EQGPT_DEVICE_MEMORY_GIB": str(memory_gib), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "EQGPT_DEVICE_MEMORY_GIB": str(memory_gib), "PYTHONUNBUFFERED": "1", "JAX_LOG_COMPILES": "1"}
     cmd = [sys.executable, str(ROOT / "recipes" / "train_gpt.py"), "--steps", "2", "--eval-every", "0",
            "--sample-tokens", "0", "--no-progress", "--log-every", "1", *args]
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -104,4 +104,8 @@ def test_batch_size_auto_picks_a_batch_that_fits_and_trains(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     picked = [line for line in proc.stdout.splitlines() if line.startswith("--batch-size auto:")]
     assert picked and picked[-1].endswith("sequences per step"), proc.stdout[-2000:]
+    # Each size tried compiles once (8 and 16 rows, then each predicted size), the chosen one included:
+    # the run trains with the program 'auto' compiled for it.
+    tried = {8, 16} | {int(line.split()[2]) for line in picked[:-1]}
+    assert proc.stderr.count("Finished XLA compilation of jit(step)") == len(tried), picked
     assert (tmp_path / "runs" / "latest" / "summary.json").exists()

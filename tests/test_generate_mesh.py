@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from eqgpt.data import ByteTokenizer
 from eqgpt.nn import GPT
 from eqgpt.parallel import Strategy, make_mesh
-from eqgpt.sample import generate, generate_text, prefill, sample_logits
+from eqgpt.sample import generate, generate_many, generate_text, prefill, sample_logits
 from helpers import TINY
 
 CONFIG = TINY.replace(seq_len=48, init_std=0.3)  # a larger init: greedy choices decisive, not rounding ties
@@ -30,6 +30,16 @@ def test_greedy_on_data2_tensor4_equals_one_device(setup):
     assert mesh.shape == (4, 40) and len(mesh.sharding.device_set) == 8
     np.testing.assert_array_equal(np.asarray(mesh), np.asarray(one))
     assert len(set(np.asarray(one)[:, 8:].ravel().tolist())) > 4  # not one repeated token
+
+
+def test_prompts_of_different_lengths_on_the_mesh_equal_one_device(setup):
+    """The batched sampler on data=2,tensor=4: rows over data, greedy rows as on one device."""
+    model, prompt, strategy = setup
+    prompts = [np.asarray(prompt[0, :3]), np.asarray(prompt[1]), np.asarray(prompt[2, :5])]
+    one = generate_many(model, prompts, 20, key=jax.random.key(0), temperature=0.0)
+    mesh = generate_many(model, prompts, 20, key=jax.random.key(0), temperature=0.0, strategy=strategy)
+    for a, b in zip(one, mesh, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_kv_cache_is_sharded_by_the_logical_rules(setup):

@@ -131,6 +131,10 @@ def test_unrolled_layers_equal_the_scan_and_leave_no_loop():
                        if " while(" in x and "scatter" not in x]
     assert not loops(unrolled)
     assert loops(nn.GPT(TINY_LLAMA, key=jax.random.key(0)))
+    # Two layers per scan iteration (scan_unroll=2): the same loss and gradients.
+    l_two, g_two = step(nn.GPT(TINY_LLAMA.replace(scan_unroll=2), key=jax.random.key(0)))
+    np.testing.assert_allclose(l_two, l_scan, rtol=1e-6)
+    assert_trees_close(g_two, g_scan, rtol=1e-5, atol=1e-7)
 
 
 def test_remat_full_recomputes_in_the_backward_and_keeps_fewer_temporaries():

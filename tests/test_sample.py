@@ -8,8 +8,8 @@ import pytest
 
 from eqgpt.data import ByteTokenizer
 from eqgpt.nn import GPT
-from eqgpt.sample import generate, generate_text, sample_logits
-from helpers import TINY
+from eqgpt.sample import generate, generate_many, generate_text, generate_texts, sample_logits
+from helpers import TINY, TINY_LLAMA
 
 
 def generate_by_recompute(model, prompt, n, key, temperature, top_k):
@@ -54,3 +54,49 @@ def test_generate_text_and_bad_input():
         generate(model, jnp.zeros((1, 30), jnp.int32), 10, key=jax.random.key(0))
     with pytest.raises(ValueError, match="temperature"):
         generate(model, jnp.zeros((1, 3), jnp.int32), 2, key=jax.random.key(0), temperature=-1.0)
+
+
+def count_compiles(fn):
+    """Run `fn()`; **returns** its result and the backend compiles per function name (jax.monitoring)."""
+    from eqgpt.profile.compiles import CompileLog
+
+    with CompileLog() as log:
+        result = fn()
+    return result, log.counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,lengths,sampled", [(TINY, (3, 7, 12), True), (TINY_LLAMA, (2, 5), False),
+                                                    (TINY, (17, 21, 16), False)],
+                         ids=["gpt2-prefill-1", "llama-prefill-1", "gpt2-prefill-16"])
+def test_batched_prompts_equal_one_at_a_time(config, lengths, sampled):
+    """Prompts of different lengths in one batch (one program): greedy rows are token for token
+    what `generate` gives each prompt alone; sampled rows draw as the prompt alone did with key
+    `fold_in(key, row)` (the trainer's end-of-run samples before they were batched)."""
+    model = GPT(config.replace(init_std=0.3), key=jax.random.key(0))
+    prompts = [np.asarray(jax.random.randint(jax.random.key(n), (n,), 0, config.vocab_size)) for n in lengths]
+    n = 32 - max(lengths) - 1
+    key = jax.random.key(5)
+    for kw in ({"temperature": 0.0}, {"temperature": 0.8, "top_k": 8})[: 1 + sampled]:
+        rows, compiles = count_compiles(lambda kw=kw: generate_many(model, prompts, n, key=key, **kw))
+        assert compiles.get("_generate_rows") == 1, compiles  # every length, one program
+        for i, (p, row) in enumerate(zip(prompts, rows, strict=True)):
+            alone = generate(model, jnp.asarray(p)[None], n, key=jax.random.fold_in(key, i), **kw)[0]
+            np.testing.assert_array_equal(row, np.asarray(alone), err_msg=f"prompt {i} ({len(p)} tokens), {kw}")
+
+
+def test_batched_stop_tokens_and_text():
+    """A row that emits a stop token holds `stop_tokens[0]` after it, as `generate` does; texts of
+    different lengths come back in order, each starting with its prompt."""
+    model = GPT(TINY.replace(vocab_size=256, init_std=0.3), key=jax.random.key(1))
+    prompts = [np.arange(1, 4), np.arange(1, 9)]
+    free = generate_many(model, prompts, 12, key=jax.random.key(0), temperature=0.0)
+    stop = int(free[1][10])
+    cut = generate_many(model, prompts, 12, key=jax.random.key(0), temperature=0.0, stop_tokens=(stop,))
+    for p, c in zip(prompts, cut, strict=True):
+        alone = generate(model, jnp.asarray(p)[None], 12, key=jax.random.key(0), temperature=0.0,
+                         stop_tokens=(stop,))[0]
+        np.testing.assert_array_equal(c, np.asarray(alone))
+    assert (cut[1][11:] == stop).all()
+    texts = generate_texts(model, ByteTokenizer(), ["de", "class "], 5, key=jax.random.key(0), temperature=0.0)
+    assert [t[: len(p)] for t, p in zip(texts, ["de", "class "], strict=True)] == ["de", "class "]

@@ -154,6 +154,9 @@ def test_batch_is_the_shifted_windows_and_validation_pads_to_the_mesh():
     (padded, real), = eval_batches(np.tile(windows, (2, 1))[:3], batch_size=16, divisor=4)
     assert padded.shape == (4, 4) and real == 3 * 4
     np.testing.assert_array_equal(padded.loss_mask.sum(axis=1), [4, 4, 4, 0])
+    # 20 windows in batches of 16: the last is padded to 16 rows too (one eval program), 4 of them real.
+    batches = eval_batches(np.tile(windows, (10, 1)), batch_size=16, divisor=1)
+    assert [(b.shape, real) for b, real in batches] == [((16, 4), 64), ((16, 4), 16)]
     # The masked mean over the padded batch is the mean over the real rows.
     model = GPT(TINY.replace(seq_len=4), key=jax.random.key(0))
     loss_fn = eqx.filter_jit(Strategy().loss_fn())

@@ -83,6 +83,9 @@ class GPTConfig:
       of depth). `False` unrolls them: XLA then keeps each layer's activations as
       separate arrays instead of copying them into and out of `[layers, ...]`
       buffers, which made a 4-layer CPU step 9 % faster; compile time grows with depth.
+    - `scan_unroll`: with `scan_layers`, layers per scan iteration (`jax.lax.scan`'s
+      `unroll`): 1 compiles one layer; 2-4 trade compile time for step time
+      (`benchmarks/compile_time.py --tpu` measures both).
     """
 
     vocab_size: int = 256
@@ -105,6 +108,7 @@ class GPTConfig:
     window: int | None = None
     remat: str = "none"
     scan_layers: bool = True
+    scan_unroll: int = 1
     init_std: float = 0.02
     moe: MoEConfig | None = None
 
@@ -114,7 +118,8 @@ class GPTConfig:
         if self.moe is not None and self.num_layers % self.moe.every:
             raise ValueError(f"GPTConfig.moe.every ({self.moe.every}) must divide num_layers ({self.num_layers}): "
                              "the layers repeat in groups of `every` (the last of each is MoE).")
-        for name in ("vocab_size", "vocab_pad_multiple", "seq_len", "num_layers", "num_heads", "embed_dim"):
+        for name in ("vocab_size", "vocab_pad_multiple", "seq_len", "num_layers", "num_heads", "embed_dim",
+                     "scan_unroll"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}.")
         if self.embed_dim % self.num_heads:
@@ -158,9 +163,9 @@ class GPTConfig:
 
     def architecture(self) -> dict:
         """The fields that fix the parameters and the function they compute: every field but
-        how the layers run (`attention_kernel`, `remat`, `scan_layers`), which a run may
+        how the layers run (`attention_kernel`, `remat`, `scan_layers`, `scan_unroll`), which a run may
         change when it resumes from a checkpoint; `vocab_pad_multiple` only when it pads."""
-        how = {"attention_kernel", "remat", "scan_layers"}
+        how = {"attention_kernel", "remat", "scan_layers", "scan_unroll"}
         if self.vocab_pad_multiple == 1:  # unpadded: as checkpoints written before the field, resumable
             how.add("vocab_pad_multiple")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in how}

@@ -182,8 +182,9 @@ def on_one_device(model: GPT) -> GPT:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        arrays = multihost_utils.process_allgather(arrays, tiled=True)
-    arrays = jax.device_put(jax.device_get(arrays), jax.local_devices()[0])
+        arrays = jax.device_get(multihost_utils.process_allgather(arrays, tiled=True))
+    # device to device (no copy for arrays already there), committed: the program compiled ahead serves it
+    arrays = jax.device_put(arrays, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     return eqx.combine(arrays, static)
 
 
@@ -193,40 +194,176 @@ def _cut(text: str, start: int, stops: Sequence[str]) -> str:
     return text[: min(ends)] if ends else text
 
 
-def generate_text(
+def prefill_bucket(shortest: int) -> int:
+    """Tokens the batched sampler prefills: 1 below 16 (the rest of a short prompt goes through
+    the decode loop), else the largest power of two up to the shortest prompt: few programs."""
+    return 1 if shortest < 16 else 1 << (shortest.bit_length() - 1)
+
+
+def rows_bucket(rows: int, multiple: int = 1) -> int:
+    """Rows the batched sampler runs: a power of two of at least 4, rounded up to `multiple`
+    (a mesh's batch divisor), so that 2 and 3 prompts share one program."""
+    b = max(4, 1 << (rows - 1).bit_length())
+    return -(-b // multiple) * multiple
+
+
+@eqx.filter_jit
+def _generate_rows(model, tokens, lengths, live, max_new_tokens, key, prefill_len, temperature, top_k, top_p,
+                   stop_tokens):
+    """`tokens` `[rows, seq_len]`: each row's prompt (`lengths`), then padding; rows not `live` are filler.
+    Prefills `prefill_len` tokens, then one decode step per position: a step inside a row's prompt
+    writes nothing (teacher forcing), a step past it writes a sampled token, until `max_new_tokens`."""
+    b, total = tokens.shape
+    pad = stop_tokens[0] if stop_tokens else 0
+    stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
+    ends = lengths + max_new_tokens
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(b))
+    one = lambda k, lg, n: sample_logits(lg[None], jax.random.fold_in(k, n), temperature=temperature,  # noqa: E731
+                                         top_k=top_k, top_p=top_p)[0]
+
+    def advance(j, logits, tokens, done):  # logits [b, vocab] predict position j + 1
+        pos = j + 1
+        new = pos >= lengths
+        live_row = new & ~done & (pos < ends)
+        picked = jax.vmap(one)(keys, logits, pos - lengths)
+        column = jax.lax.dynamic_index_in_dim(tokens, pos, axis=1, keepdims=False)
+        tok = jnp.where(live_row, picked, jnp.where(new, pad, column))
+        tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, pos, axis=1)
+        done = done | (live_row & jnp.isin(tok, stops)) | (pos + 1 >= ends)
+        return tokens, done
+
+    logits, cache = prefill(model, tokens[:, :prefill_len], total)
+    tokens, done = advance(prefill_len - 1, logits[:, -1], tokens, ~live)
+
+    def cond(carry):
+        j, _, _, done = carry
+        return (j + 2 < total) & ~jnp.all(done)
+
+    def body(carry):
+        j, tokens, cache, done = carry
+        j = j + 1
+        token = jax.lax.dynamic_slice_in_dim(tokens, j, 1, axis=1)
+        logits, cache = model.decode(token, cache, j)
+        tokens, done = advance(j, logits[:, -1], tokens, done)
+        return j, tokens, constrain_cache(model, cache), done
+
+    _, tokens, _, _ = jax.lax.while_loop(cond, body, (jnp.asarray(prefill_len - 1), tokens, cache, done))
+    return tokens
+
+
+def generate_many(
     model: GPT,
-    tokenizer,
-    prompt: str,
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
     key: PRNGKeyArray,
-    num_samples: int = 1,
-    temperature: float = 0.8,
-    top_k: int | None = 40,
+    temperature: float = 1.0,
+    top_k: int | None = None,
     top_p: float | None = None,
-    stop: Sequence[str | int] = (),
+    stop_tokens: Sequence[int] = (),
     strategy=None,
-) -> list[str]:
-    """`num_samples` continuations of the text `prompt` (prompt included), decoded.
+    compiled=None,
+) -> list[np.ndarray]:
+    """Continue prompts of any lengths in one batch and one compiled program.
 
-    `stop` holds token ids and strings: generation stops at a token id (and at the
-    tokenizer's end-of-text token, if it has one); the text is cut before the first
-    stop string that follows the prompt (strings that are one token also end decoding early).
+    The rows are padded to a power of two (at least 4) and to the model's `seq_len`, whose KV
+    cache the program keeps whatever `max_new_tokens` is (a traced number): every call with
+    the same sampling settings, prompts of 1..15 tokens and up to 4 rows runs the same
+    program, from the trainer's end-of-run samples to `eqgpt-sample`. Row `r` samples step `i`
+    with `fold_in(fold_in(key, r), i)`; greedy rows equal `generate` on that prompt alone.
+    Arguments as `generate`'s, and `compiled`: the program from `lower_texts(...).compile()`, if compiled
+    ahead. **Returns** each prompt followed by its continuation (up to `max_new_tokens`; after
+    a stop token, `stop_tokens[0]`).
     """
-    ids = np.asarray(tokenizer.encode(prompt), np.int32)
+    model, args = _rows_args(model, prompts, max_new_tokens, key, temperature, top_k, top_p, stop_tokens, strategy)
+    out = np.asarray(jax.device_get((compiled or _generate_rows)(model, *args)))
+    return [out[r, : len(ids) + max_new_tokens] for r, ids in enumerate(prompts)]
+
+
+def _rows_args(model, prompts, max_new_tokens, key, temperature, top_k, top_p, stop_tokens, strategy):
+    """The placed model and the rest of `_generate_rows`'s arguments for these prompts."""
+    for ids in prompts:
+        _check(model, len(ids), max_new_tokens, temperature, top_k, top_p)
+    multiple = 1 if strategy is None or strategy.mesh is None else strategy.rows_divisor
+    rows = rows_bucket(len(prompts), multiple)
+    tokens = np.full((rows, model.config.seq_len), stop_tokens[0] if stop_tokens else 0, np.int32)
+    lengths = np.ones(rows, np.int32)
+    for r, ids in enumerate(prompts):
+        tokens[r, : len(ids)], lengths[r] = ids, len(ids)
+    live = np.arange(rows) < len(prompts)
+    model, tokens = _place(strategy, model, jnp.asarray(tokens))
+    arrays = (tokens, lengths, live, np.int32(max_new_tokens), key)
+    if strategy is None or strategy.mesh is None:  # all committed to the model's device, however the model came:
+        # the trainer's and eqgpt-sample's calls then lower to one program (one persistent-cache entry)
+        params, static = eqx.partition(model, eqx.is_array)
+        device = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(params)[0].devices())))
+        params, arrays = jax.device_put((params, arrays), device)
+        model = eqx.combine(params, static)
+    return model, (*arrays,
+                   prefill_bucket(min(len(p) for p in prompts)), float(temperature), top_k,
+                   None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
+
+
+def _stops(tokenizer, stop: Sequence[str | int]) -> tuple[list[str], tuple[int, ...]]:
+    """The stop strings, and the token ids that end decoding (ids, one-token strings, end-of-text)."""
     strings = [s for s in stop if isinstance(s, str)]
     tokens = [int(s) for s in stop if not isinstance(s, str)]
     tokens += [int(t[0]) for s in strings if len(t := tokenizer.encode(s)) == 1]
     eos = getattr(tokenizer, "eos_id", None)
     tokens += [eos] if eos is not None else []
-    out = generate(model, jnp.tile(jnp.asarray(ids)[None], (num_samples, 1)), max_new_tokens, key=key,
-                   temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=tuple(dict.fromkeys(tokens)),
-                   strategy=strategy)
+    return strings, tuple(dict.fromkeys(tokens))
+
+
+def lower_texts(model: GPT, tokenizer, prompts: Sequence[str], max_new_tokens: int, *, key: PRNGKeyArray,
+                temperature: float = 0.8, top_k: int | None = 40, top_p: float | None = None,
+                stop: Sequence[str | int] = ()):
+    """The program `generate_texts` runs for these arguments, lowered (its `.compile()` goes to
+    `generate_texts(..., compiled=)` with any model of the same shapes, any `key` and any
+    `max_new_tokens`; the same settings, rows and prompt buckets). The recipe compiles it
+    while it trains."""
+    ids = [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
+    model, args = _rows_args(model, ids, max_new_tokens, key, temperature, top_k, top_p, _stops(tokenizer, stop)[1],
+                             None)
+    return _generate_rows.lower(model, *args)
+
+
+def generate_texts(
+    model: GPT,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    top_p: float | None = None,
+    stop: Sequence[str | int] = (),
+    strategy=None,
+    compiled=None,
+) -> list[str]:
+    """One continuation of each text in `prompts` (prompt included), decoded; all in one batch
+    (`generate_many`: prompt `i` samples with `fold_in(key, i)`; `compiled`: `lower_texts(...).compile()`).
+
+    `stop` holds token ids and strings: generation stops at a token id (and at the
+    tokenizer's end-of-text token, if it has one); the text is cut before the first
+    stop string that follows the prompt (strings that are one token also end decoding early).
+    """
+    ids = [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
+    strings, tokens = _stops(tokenizer, stop)
+    rows = generate_many(model, ids, max_new_tokens, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
+                         stop_tokens=tokens, strategy=strategy, compiled=compiled)
     texts = []
-    for row in np.asarray(jax.device_get(out)):
-        new = row[len(ids):]
+    for prompt, row in zip(ids, rows, strict=True):
+        new = row[len(prompt):]
         hits = np.flatnonzero(np.isin(new, tokens)) if tokens else []
         new = new[: hits[0]] if len(hits) else new
-        text = tokenizer.decode(np.concatenate([ids, new]))
-        texts.append(_cut(text, len(tokenizer.decode(ids)), strings))
+        text = tokenizer.decode(np.concatenate([prompt, new]))
+        texts.append(_cut(text, len(tokenizer.decode(prompt)), strings))
     return texts
+
+
+def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, *, key: PRNGKeyArray,
+                  num_samples: int = 1, **kwargs) -> list[str]:
+    """`num_samples` continuations of the text `prompt`: `generate_texts` on that prompt repeated
+    (sample `i` draws with `fold_in(key, i)`); keywords as there."""
+    return generate_texts(model, tokenizer, [prompt] * num_samples, max_new_tokens, key=key, **kwargs)

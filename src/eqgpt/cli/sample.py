@@ -77,12 +77,14 @@ def main(cfg: SampleConfig) -> list[str]:
     """Print and **return** the samples."""
     import jax
 
+    from eqgpt.compile_cache import enable_compile_cache
     from eqgpt.nn.factory import import_modules
 
     check_flags(cfg)
     import_modules(cfg.imports)
     if cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+    enable_compile_cache()  # the cache eqgpt-train fills: its end-of-run samples ran this very program
     from eqgpt.data import load_tokenizer
     from eqgpt.parallel import ParallelFlags
     from eqgpt.sample import generate_text

@@ -15,6 +15,7 @@ Every option is a dataclass field below (`eqgpt.cli.flags` for --model, --data,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import signal
 import sys
@@ -33,6 +34,7 @@ import tyro
 import eqgpt
 from eqgpt import distributed
 from eqgpt.cli import exit_on_user_error, imports_in, parse_cli
+from eqgpt.cli.ahead import Ahead
 from eqgpt.cli.checks import check_numbers, check_writable, flag_name
 from eqgpt.cli.flags import DataConfig, ModelConfig, OptimConfig
 from eqgpt.compile_cache import enable_compile_cache
@@ -45,14 +47,16 @@ from eqgpt.nn.factory import factory_path, import_modules
 from eqgpt.nn.kernels import auto_kernel_name
 from eqgpt.nn.mask import make_mask
 from eqgpt.parallel import ParallelFlags
+from eqgpt.profile.compiles import CompileLog
 from eqgpt.profile.flops import flops_per_token, peak_flops
-from eqgpt.sample import generate_text, on_one_device
+from eqgpt.sample import generate_texts, lower_texts, on_one_device
 from eqgpt.train import (
     Policy,
     Strategy,
     Trainer,
     TrainerConfig,
     TrainState,
+    eval_batches,
     make_eval_fn,
     make_lr_schedule,
     make_optimizer,
@@ -455,18 +459,41 @@ def check_prompts(cfg: TrainConfig, tok) -> None:
             raise ValueError(f"--sample-prompts {prompt!r}: {e}") from None
 
 
-def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> list[str]:
-    """Generate from --sample-prompts with the trained model (KV cache, one device's view)."""
+def sample_inputs(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> tuple | None:
+    """`generate_texts`'s arguments for --sample-prompts, and its key; `None` when there are none."""
     n_new = min(cfg.sample_tokens, model_cfg.seq_len - max((len(tok.encode(p)) for p in cfg.sample_prompts), default=0))
-    if n_new < 1:
-        return []
+    if n_new < 1 or not cfg.sample_prompts:
+        return None
     model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
     rng = jax.device_put(state.rng.addressable_data(0), jax.local_devices()[0])  # replicated: this process's copy
-    return [generate_text(model, tok, p, n_new, key=jax.random.fold_in(rng, i))[0]
-            for i, p in enumerate(cfg.sample_prompts)]
+    return (model, tok, cfg.sample_prompts, n_new), rng
 
 
-def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float, leave) -> dict:
+def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok, compiled=None) -> list[str]:
+    """Generate from --sample-prompts with the trained model (KV cache, one device's view, one batch:
+    prompt i draws with fold_in(rng, i)); `compiled`: the program `compile_ahead` made."""
+    inputs = sample_inputs(cfg, state, model_cfg, tok)
+    return [] if inputs is None else generate_texts(*inputs[0], key=inputs[1], compiled=compiled)
+
+
+def compile_ahead(cfg: TrainConfig, state: TrainState, strategy: Strategy, eval_fn, val, model_cfg, corpus) -> Ahead:
+    """The validation and sampling programs, compiling in background threads (`eqgpt.cli.ahead`)."""
+    ahead = Ahead()
+    if val is not None:
+        first = eval_batches(val, TrainerConfig.eval_batch_size, strategy.batch_divisor)[0][0]
+        ahead.submit("eval", lambda: eval_fn.lower(state.model, strategy.batch(first)))
+    if cfg.sample_tokens and tokenizer_decodes(corpus, model_cfg):
+        def lower_sampler():
+            inputs = sample_inputs(cfg, state, model_cfg, corpus.tokenizer)
+            return None if inputs is None else lower_texts(*inputs[0], key=inputs[1])
+
+        ahead.submit("sample", lower_sampler)
+    ahead.close()  # no more jobs; the submitted ones run on
+    return ahead
+
+
+def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float, leave,
+           compiles: CompileLog | None = None, ahead: Ahead | None = None) -> dict:
     """Save the model, plot, sample and summarise; **returns** the summary. A run stopped by SIGTERM
     leaves at once: its checkpoint, or (a new run that completed no step) nothing (`leave`)."""
     is_main = distributed.is_main_process()
@@ -490,11 +517,14 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
     save_model(out, state.model)
     if is_main:
         corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
-    samples = sample(cfg, state, model_cfg, corpus.tokenizer) if tokenizer_decodes(corpus, model_cfg) else []
+    samples = (sample(cfg, state, model_cfg, corpus.tokenizer, ahead and ahead.get("sample"))
+               if tokenizer_decodes(corpus, model_cfg) else [])
     trainer.log_samples(summary["steps"], samples)
     _, vals = trainer.history.series("val_loss")
     summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
                    seconds=trainer.seconds_before + time.perf_counter() - t0, samples=samples)
+    if compiles is not None:
+        summary["compile_seconds"] = compiles.phases()
     if is_main:
         plot_history(trainer.history, out / "loss.png",
                      title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
@@ -505,6 +535,8 @@ def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cf
         val = f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} nats/token " if vals else ""
         val += f"({bpb[0]:.3f} -> {bpb[-1]:.3f} bits/byte) " if bpb else ""
         print(f"done: {val}in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
+        if compiles is not None:
+            print(compiles.summary())
     return summary
 
 
@@ -562,6 +594,7 @@ def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, m
     resolved to the largest batch that fits; **returns** `cfg` with that batch and the compiled step (`None`
     where the device's memory is unknown, as on a CPU). Raises `DoesNotFit` (a `ValueError` naming the GiB
     and the flags to change) before anything is written."""
+    @functools.cache  # 'auto' compiled the size it chose: the check below reuses that program
     def compile_at(rows: int):
         step = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                                z_loss=cfg.z_loss, model_like=model_like)
@@ -643,22 +676,26 @@ def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Polic
     return compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
 
 
-def trainer_settings(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig, out: Path) -> dict:
-    """The `Trainer`'s validation windows and `TrainerConfig` from the flags."""
-    val = (eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
-           if cfg.eval_windows else None)
-    config = TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
-                           progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
-                           max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
-                           divergence_window=cfg.divergence_window,
-                           bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg)
-                           else bytes_per_token(corpus.tokenizer, val[:, 1:]))
-    return {"val_windows": val, "config": config}
+def validation_windows(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig):
+    """The validation windows of --eval-windows (`None` without)."""
+    if not cfg.eval_windows:
+        return None
+    return eval_windows(corpus.val, seq_len=model_cfg.seq_len, num_windows=cfg.eval_windows)
+
+
+def trainer_config(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig, out: Path, val) -> TrainerConfig:
+    """The `Trainer`'s settings from the flags; `val`: the validation windows."""
+    return TrainerConfig(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every, out_dir=out,
+                         progress=cfg.progress, log=cfg.log, profile_steps=cfg.profile_steps,
+                         max_skipped=cfg.max_skipped, divergence_factor=cfg.divergence_factor,
+                         divergence_window=cfg.divergence_window,
+                         bytes_per_token=None if val is None or not tokenizer_decodes(corpus, model_cfg)
+                         else bytes_per_token(corpus.tokenizer, val[:, 1:]))
 
 
 def main(cfg: TrainConfig) -> dict:
     """Run the recipe; **returns** a summary (`val_loss`, `steps`, `seconds`, `samples`)."""
-    t0 = time.perf_counter()
+    t0, compiles = time.perf_counter(), CompileLog()  # this run's compiles, by phase
     check_run_flags(cfg)  # before start-up: an error is the only output, not mixed with the backend's
     compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
@@ -680,6 +717,9 @@ def main(cfg: TrainConfig) -> dict:
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
     check_memory(cfg, model_cfg, strategy, policy)  # before the first compile
     state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model, plan)
+    eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
+    val = validation_windows(cfg, corpus, model_cfg)
+    ahead = compile_ahead(cfg, state, strategy, eval_fn, val, model_cfg, corpus)  # while the step compiles
     cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch),
@@ -694,16 +734,18 @@ def main(cfg: TrainConfig) -> dict:
         log(note)
     write_run_config(cfg, model_cfg, out, corpora_of(cfg, out, corpus, int(state.step)), plan)
     checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
-    eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))
-    trainer = Trainer(step_fn, state, loader, strategy, eval_fn=eval_fn, schedule=schedule, checkpointer=checkpointer,
-                      **trainer_settings(cfg, corpus, model_cfg, out), flops_per_token=flops_per_token(model_cfg),
-                      peak_flops=peak)
+    trainer = Trainer(step_fn, state, loader, strategy, eval_fn=ahead.get("eval") or eval_fn, schedule=schedule,
+                      checkpointer=checkpointer, val_windows=val,
+                      config=trainer_config(cfg, corpus, model_cfg, out, val),
+                      flops_per_token=flops_per_token(model_cfg), peak_flops=peak)
     trainer.history.rows, trainer.seconds_before = earlier_rows(out, int(state.step)), seconds
+    ahead.lowered()  # before the step donates the arrays they were lowered with
     try:
-        return finish(cfg, trainer, trainer.run(), out, corpus, model_cfg, t0, leave)
+        state = compiles.training(trainer.run, int(trainer.state.step))
+        return finish(cfg, trainer, state, out, corpus, model_cfg, t0, leave, compiles, ahead)
     finally:
         forget()  # this run's note for a forced exit
 

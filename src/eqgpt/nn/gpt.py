@@ -205,7 +205,8 @@ class GPT(LanguageModel):
                 return block(h, positions=positions, segment_ids=segment_ids, **extra), None
 
         # The hook runs the stack: a scan, or a strategy's own way (eqgpt.parallel.overlap prefetches weights).
-        x, stats = self.shard.run_stack(layer, x, dynamic, unroll=1 if self.config.scan_layers else True)
+        unroll = self.config.scan_unroll if self.config.scan_layers else True
+        x, stats = self.shard.run_stack(layer, x, dynamic, unroll=unroll)
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
 
     def features(

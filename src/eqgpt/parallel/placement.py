@@ -53,7 +53,8 @@ class Placement(Protocol):
     def batch_divisor(self) -> int: ...
 
 
-def _global_rows(x: Any, sharding_of: Callable[[int, tuple[int, ...]], jax.sharding.Sharding]) -> jax.Array | jax.ShapeDtypeStruct:
+def _global_rows(x: Any, sharding_of: Callable[[int, tuple[int, ...]], jax.sharding.Sharding]
+                 ) -> jax.Array | jax.ShapeDtypeStruct:
     """One global array from this process's rows; a `jax.ShapeDtypeStruct` (shapes only) stays one, with
     its sharding (its rows are already the global batch's)."""
     if isinstance(x, jax.ShapeDtypeStruct):
@@ -77,9 +78,9 @@ class SingleDevice:
         self.sharding = jax.sharding.SingleDeviceSharding(self.device)
 
     def init_model(self, make: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> PyTree:
-        """`make(key)`, built by a compiled function directly on the device."""
-        with jax.default_device(self.device):
-            return eqx.filter_jit(make)(key)
+        """`make(key)`, built by a compiled function directly on the device, its arrays committed
+        there as a step's outputs are: a jitted function called with both compiles once."""
+        return eqx.filter_jit(make)(jax.device_put(key, self.sharding))
 
     def place_model(self, model: PyTree) -> PyTree:
         """The model's arrays moved to the device, its activation hooks back to no constraint."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
@@ -26,7 +27,8 @@ class TrainState(eqx.Module):
     skipped: Int[Array, ""]
     loss_scale: LossScale | None
 
-    def __init__(self, model: PyTree, opt_state: optax.OptState, step=0, *, rng: PRNGKeyArray | jax.ShapeDtypeStruct, skipped=0,
+    def __init__(self, model: PyTree, opt_state: optax.OptState, step=0, *,
+                 rng: PRNGKeyArray | jax.ShapeDtypeStruct, skipped=0,
                  loss_scale: LossScale | None = None):
         """**Arguments:** `model`, `opt_state`, `step` (default 0), `rng`, `skipped` (default 0),
         `loss_scale` (default `None`: no loss scaling). A `jax.ShapeDtypeStruct` key (and shapes for the

@@ -98,16 +98,17 @@ def make_eval_fn(loss_fn: LossFn | None = None, policy: Policy | None = None) ->
 def eval_batches(windows: np.ndarray, batch_size: int, divisor: int) -> list[tuple[Batch, int]]:
     """Validation windows as `(Batch, real tokens)` pairs whose rows `divisor` divides.
 
-    The last batch is padded with masked rows (loss mask 0) up to a multiple of
-    `divisor` (the devices the batch is split over), so any number of windows
-    validates on any mesh; losses are then weighted by their real tokens.
+    The last batch is padded with masked rows (loss mask 0) to the others' rows (a multiple
+    of `divisor`, the devices the batch is split over), so any number of windows validates
+    on any mesh with one program; losses are then weighted by their real tokens.
     """
     size = max(divisor, batch_size - batch_size % divisor)
+    size = min(size, -(-len(windows) // divisor) * divisor)  # fewer windows than a batch: one batch of them
     out = []
     for i in range(0, len(windows), size):
         part = Batch.from_windows(windows[i : i + size])
         rows, seq = part.shape
-        pad = (-rows) % divisor
+        pad = size - rows
         mask = np.concatenate([np.ones((rows, seq), np.float32), np.zeros((pad, seq), np.float32)])
         fields = [np.concatenate([a, np.zeros((pad, seq), a.dtype)]) for a in (part.tokens, part.targets)]
         out.append((Batch(*fields, loss_mask=mask), rows * seq))
