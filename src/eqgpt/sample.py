@@ -253,7 +253,7 @@ def _generate_rows(model, tokens, lengths, live, max_new_tokens, key, prefill_le
 
 def generate_many(
     model: GPT,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int] | np.ndarray],
     max_new_tokens: int,
     *,
     key: PRNGKeyArray,

@@ -73,28 +73,10 @@ def check_flags(cfg: SampleConfig) -> None:
             raise ValueError(f"{flag} must be {want}, got {value}.")
 
 
-def main(cfg: SampleConfig) -> list[str]:
-    """Print and **return** the samples."""
-    import jax
-
-    from eqgpt.compile_cache import enable_compile_cache
-    from eqgpt.nn.factory import import_modules
-
-    check_flags(cfg)
-    import_modules(cfg.imports)
-    if cfg.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
-    enable_compile_cache()  # the cache eqgpt-train fills: its end-of-run samples ran this very program
-    from eqgpt.data import load_tokenizer
-    from eqgpt.parallel import ParallelFlags
-    from eqgpt.sample import generate_text
+def load_sampled_model(cfg: SampleConfig, strategy):
+    """The model of --hf, or of --run-dir (saying which run `runs/latest` is)."""
     from eqgpt.train import load_model
 
-    try:
-        strategy = ParallelFlags.parse(cfg.mesh, cfg.strategy) if cfg.mesh else None
-    except ValueError as e:
-        hint = " On a CPU, --cpu-devices N simulates N devices." if "devices" in str(e) and not cfg.cpu_devices else ""
-        raise ValueError(f"--mesh {cfg.mesh}: {e}{hint}") from None
     if cfg.hf is not None:
         from eqgpt.interop import load_hf
 
@@ -116,6 +98,31 @@ def main(cfg: SampleConfig) -> list[str]:
             model = load_model(run_dir, block_factory=cfg.block)
         except ValueError as e:
             raise ValueError(f"--block {cfg.block}: {e}" if cfg.block else str(e)) from None
+    return model
+
+
+def main(cfg: SampleConfig) -> list[str]:
+    """Print and **return** the samples."""
+    import jax
+
+    from eqgpt.compile_cache import enable_compile_cache
+    from eqgpt.nn.factory import import_modules
+
+    check_flags(cfg)
+    import_modules(cfg.imports)
+    if cfg.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+    enable_compile_cache()  # the cache eqgpt-train fills: its end-of-run samples ran this very program
+    from eqgpt.data import load_tokenizer
+    from eqgpt.parallel import ParallelFlags
+    from eqgpt.sample import generate_text
+
+    try:
+        strategy = ParallelFlags.parse(cfg.mesh, cfg.strategy) if cfg.mesh else None
+    except ValueError as e:
+        hint = " On a CPU, --cpu-devices N simulates N devices." if "devices" in str(e) and not cfg.cpu_devices else ""
+        raise ValueError(f"--mesh {cfg.mesh}: {e}{hint}") from None
+    model = load_sampled_model(cfg, strategy)
     try:
         tok = load_tokenizer(cfg.tokenizer or (cfg.hf or cfg.run_dir))
     except (ValueError, OSError) as e:
