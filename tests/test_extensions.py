@@ -132,7 +132,7 @@ def test_the_console_scripts_are_declared_and_importable():
     import tomllib
 
     scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
-    assert set(scripts) == {"eqgpt-train", "eqgpt-sample"}
+    assert set(scripts) == {"eqgpt-train", "eqgpt-sample", "eqgpt-plan"}
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name))

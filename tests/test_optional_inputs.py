@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from eqgpt import nn
-from eqgpt.data import Batch, as_batch
+from eqgpt.data import Batch
 from eqgpt.nn.loss import lm_batch_loss
 from eqgpt.precision import Policy
 from eqgpt.train import Strategy
 from eqgpt.train.trainer import Trainer, TrainerConfig, make_eval_fn
-from helpers import TINY, TINY_LLAMA
+from helpers import TINY, TINY_LLAMA, unchecked
 
 ROWS, SEQ = 2, 12
 
@@ -47,12 +47,11 @@ def test_model_and_loss_with_defaults_left_out_or_given(config):
     np.testing.assert_allclose(direct, plain, rtol=1e-6)
 
 
-def test_as_batch_takes_windows_or_a_batch():
+def test_batch_from_windows_leaves_its_options_out():
     w = windows()
-    b = as_batch(w)
+    b = Batch.from_windows(w)
     np.testing.assert_array_equal(b.tokens, w[:, :-1])
     np.testing.assert_array_equal(b.targets, w[:, 1:])
-    assert as_batch(b) is b
     assert b.loss_mask is None and b.segment_ids is None and b.positions is None
     assert b.shape == (ROWS, SEQ) and b.rows(1, 2).shape == (1, SEQ)
 
@@ -72,8 +71,9 @@ def test_eval_fn_and_validation_with_and_without_their_options():
         def batch(self, x):
             return x
 
-    def trainer(**kw):
-        return Trainer(None, None, None, OneDevice(), config=TrainerConfig(steps=1, progress=False), **kw)
+    def trainer(**kw):  # for its validation alone: no step, state or loader
+        with unchecked():
+            return Trainer(None, None, None, OneDevice(), config=TrainerConfig(steps=1, progress=False), **kw)
 
     assert trainer().validate(model) is None  # no validation windows: nothing to report
     assert trainer(val_windows=windows(2)).validate(model) == pytest.approx(want, rel=1e-6)

@@ -251,7 +251,7 @@ def test_pipeline_takes_a_batch_and_a_language_model():
         def embed(self, tokens, positions):
             return tokens
 
-    with pytest.raises(ValueError, match=r"NoHead does not satisfy eqgpt.nn.LanguageModel.*'run_blocks'"):
+    with pytest.raises(ValueError, match=r"NoHead is not an eqgpt.nn.LanguageModel.*'run_blocks'"):
         fn(NoHead(jnp.zeros((4, 2))), _batch(8))
 
 

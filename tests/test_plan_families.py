@@ -27,12 +27,11 @@ pytestmark = [pytest.mark.skipif(not has_libtpu(), reason="needs libtpu: pip ins
 
 def plan(*args: str):
     """eqgpt-plan's compile for a 2-layer nano on v5e-16: (compiled, strategy, model config)."""
-    import tyro
-
+    from eqgpt.cli import parse_cli
     from eqgpt.cli.plan import PlanConfig, compiled_plan
 
-    cfg = tyro.cli(PlanConfig, args=["--model.preset", "nano", "--model.num-layers", "2", "--precision", "fp32",
-                                     "--slice", "v5e-16", *args])
+    cfg = parse_cli(PlanConfig, args=["--model.preset", "nano", "--model.num-layers", "2", "--precision", "fp32",
+                                      "--slice", "v5e-16", *args])
     slice_ = parse_slice(cfg.slice)
     compiled, strategy, model_cfg, _ = compiled_plan(cfg, slice_, slice_.devices())
     assert step_bytes(compiled) <= slice_.chip.hbm_bytes  # fits (compiled_plan raised DoesNotFit otherwise)

@@ -97,7 +97,9 @@ class StopSignal:
 
     @property
     def multi_process(self) -> bool:
-        return jax.process_count() > 1
+        """Several processes joined (asked without starting a backend: `jax.distributed.initialize` must
+        come first, and a stop can be armed before it)."""
+        return jax.distributed.is_initialized() and jax.process_count() > 1
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Ask the loop to stop after the current step (what the handlers do)."""

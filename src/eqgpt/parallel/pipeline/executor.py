@@ -274,7 +274,7 @@ def _with_blocks(tree, blocks):
     return eqx.tree_at(lambda m: m.blocks, tree, blocks, is_leaf=lambda x: x is None)
 
 
-def _batch_fields(batch: Batch) -> dict[str, Array]:
+def _batch_fields(batch: Any) -> dict[str, Array]:
     """The batch's arrays as `{tokens, targets[, loss_mask, segment_ids]}`, each `[batch, seq]`."""
     if not isinstance(batch, Batch):
         raise ValueError(f"a pipeline batch is an eqgpt.data.Batch; got {type(batch).__name__} "
@@ -669,7 +669,7 @@ class PipelineGradFn:
     def __repr__(self) -> str:
         return f"PipelineGradFn({self.schedule.name}, mesh={dict(self.mesh.shape)})"
 
-    def __call__(self, model, batch: Batch, loss_scale=None):
+    def __call__(self, model, batch: Any, loss_scale=None):
         """**Returns:** `((loss, aux), grads)` for `model` on `batch` (see `pipeline_grad_fn`);
         with `loss_scale`, the backward pass runs on `loss * loss_scale` (dynamic loss scaling)
         and the gradients are divided by it."""
@@ -720,7 +720,7 @@ class PipelineGradFn:
             self._splits[key] = balanced_layers(measure_costs(model, key[1]), L, G)
         return self._splits[key]
 
-    def _grad(self, model, batch: Batch, loss_scale=None):
+    def _grad(self, model, batch: Any, loss_scale=None):
         mesh, schedule, ctx = self.mesh, self.schedule, self.context
         p, v = schedule.num_stages, schedule.num_chunks
         check_language_model(model)
