@@ -151,11 +151,12 @@ def _train(strategy: Strategy, model, policy: Policy):
 # that moves one across a rounding boundary moves it by a whole int8 step; the manual path
 # (data=2,tensor=4) within 1e-6 and 5e-5 (its partial sums round differently before the next
 # layer quantizes them). Each bound is about twice the measured one. On jax 0.12 (XLA:CPU fuses the
-# float ops around the quantizer differently) one qat parameter flipped a rounding boundary: 3.4e-6
-# absolute on fsdp=4,tensor=2, and the manual path's loss 2.0e-6 relative; those bounds allow 3x that.
+# float ops around the quantizer differently) qat flips rounding boundaries too: one parameter of
+# fsdp=4,tensor=2 off by 3.4e-6 (0.12.0.1) and 1.1e-5 (0.12.1), the manual path's loss by 2.0e-6
+# relative; so qat takes qt's parameter bound, and the manual loss 3x its measured flip.
 K_BIAS = {"blocks.attn.k_proj.bias": 2e-5}
 CASES = {
-    "fsdp=4,tensor=2 qat": ("fsdp=4,tensor=2", "fsdp+tp", (), "qat", 1e-5, 1e-5, K_BIAS),
+    "fsdp=4,tensor=2 qat": ("fsdp=4,tensor=2", "fsdp+tp", (), "qat", 1e-5, 1e-4, K_BIAS),
     "fsdp=4,tensor=2 qt": ("fsdp=4,tensor=2", "fsdp+tp", (), "qt", 2e-5, 1e-4, {}),
     "manual data=2,tensor=4 qat": ("data=2,tensor=4", "dp+tp", (Manual(),), "qat", 6e-6, 1e-4, {}),
 }
