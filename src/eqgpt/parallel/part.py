@@ -151,7 +151,8 @@ class Part:
         stages): `(model, fields, positions)` with the sequence split over `sequence_axis` as
         this part splits it (the batch's fields laid out, the attention kernels swapped; the
         same arrays). Only parts with a `sequence_axis` are asked."""
-        raise NotImplementedError(f"{self.name} splits no sequence.")
+        raise ValueError(f"{self.name} splits no sequence: only a part with a sequence_axis lays out "
+                         "a pipeline stage's batch.")
 
     def memory_kind(self, strategy: Strategy, what: Literal["params", "opt_state"]) -> str | None:
         """The memory kind `what` lives in between steps (choice; e.g. `"pinned_host"`), or `None`:
