@@ -53,15 +53,15 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def assert_arrays_close(got, want, what="", rtol=1e-5):
-    """The same array names; each array within `rtol`, atol PARAM_ATOL (NOISE_ONLY for the key bias)."""
+def assert_arrays_close(got, want, what="", rtol=1e-5, atol=PARAM_ATOL):
+    """The same array names; each array within `rtol`, `atol` (NOISE_ONLY for the key bias)."""
     assert got.keys() == want.keys()
     for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=rtol, atol=NOISE_ONLY.get(path, PARAM_ATOL),
+        np.testing.assert_allclose(got[path], want[path], rtol=rtol, atol=NOISE_ONLY.get(path, atol),
                                    err_msg=f"{what}: {path}" if what else path)
 
 
-def assert_same_training(ref, out, rtol=1e-5, steps=5):
+def assert_same_training(ref, out, rtol=1e-5, steps=5, atol=PARAM_ATOL):
     """`(losses, arrays)` of a run against the reference's: per-step losses within `rtol`, every
     final parameter as `assert_arrays_close`; with `steps`, that many steps and a falling loss."""
     from markov import falls
@@ -69,7 +69,7 @@ def assert_same_training(ref, out, rtol=1e-5, steps=5):
     np.testing.assert_allclose(out[0], ref[0], rtol=rtol, atol=0)
     if steps is not None:
         assert len(out[0]) == steps and falls(ref[0])
-    assert_arrays_close(out[1], ref[1], rtol=rtol)
+    assert_arrays_close(out[1], ref[1], rtol=rtol, atol=atol)
 
 
 def max_abs(tree):

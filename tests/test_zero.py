@@ -66,7 +66,9 @@ def test_zero_trains_like_data_parallelism(zero, manual):
 
 
 def test_zero2_with_tensor_parallelism_trains_like_data_parallelism():
-    assert_same_training(run("data=8", "dp"), run("data=4,tensor=2", "dp+tp", 2), 1e-5, steps=None)
+    # The tensor split changes the down projection's summation order; where an entry's gradient is
+    # near zero Adam amplifies that into its update: 2.6e-6 measured on jax 0.12.1 (2e-6 elsewhere).
+    assert_same_training(run("data=8", "dp"), run("data=4,tensor=2", "dp+tp", 2), 1e-5, steps=None, atol=4e-6)
 
 
 @functools.cache
