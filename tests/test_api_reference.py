@@ -173,7 +173,7 @@ def test_directives_parsed():
     """The parser reads directives and their options (else the checks below would judge nothing)."""
     by_target = {d.target: d for d in directives()}
     assert "eqgpt.nn.gpt" in by_target
-    assert by_target["eqgpt.profile"].options["members"] == ["report"]
+    assert by_target["eqgpt.profile"].options["members"] == ["report", "print_evidence"]
     assert by_target["eqgpt.profile"].options["filters"] == handler_options()["filters"]
 
 

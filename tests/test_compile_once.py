@@ -2,7 +2,7 @@
 
 Counted with `eqgpt.profile.compiles.CompileLog` (jax.monitoring's backend-compile event, by
 function name). Both runs go in this process; each builds its programs afresh (the eval and
-sampling programs compiled ahead, `eqgpt.cli.ahead`), so each counts its own.
+sampling programs compiled ahead, `eqgpt.train.ahead`), so each counts its own.
 """
 
 import os

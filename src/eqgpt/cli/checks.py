@@ -1,8 +1,17 @@
-"""Numeric flags checked before anything is compiled or written, each error naming the flag typed."""
+"""Flags checked before anything is compiled or written, each error naming the flag typed."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eqgpt import distributed
+from eqgpt.train.guards import Guard
+from eqgpt.train.logging import check_tensorboard
+
+if TYPE_CHECKING:
+    from eqgpt.cli.train import TrainConfig
 
 # (flag, dataclass path, test, what it must be). NaN fails every test.
 _POSITIVE = (lambda v: v > 0, "above 0")
@@ -57,7 +66,6 @@ def check_writable(path, flag: str) -> None:
     existing parent) cannot be written."""
     import os
     import tempfile
-    from pathlib import Path
 
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
@@ -69,3 +77,44 @@ def check_writable(path, flag: str) -> None:
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot write in {p} ({e.strerror or e}); choose a directory "
                          "you can write to.") from None
+
+
+def check_fault_flags(cfg: TrainConfig) -> None:
+    """Refuse fault flags that cannot apply (before anything is written or compiled)."""
+    Guard(cfg.max_skipped, cfg.divergence_factor, cfg.divergence_window)  # names the bad flag
+    for flag in ("strict", "allow_fresh", "allow_new_corpus"):
+        if getattr(cfg, flag) and not cfg.resume:
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --resume only; add --resume or drop it.")
+
+
+def check_run_flags(cfg: TrainConfig) -> None:
+    """Refuse counts, directories and optional packages the run cannot use, naming the flag, before
+    JAX starts and anything is written or compiled."""
+    at_least = {"steps": 1, "accum_steps": 1, "log_every": 1, "checkpoint_keep": 1, "checkpoint_every": 0,
+                "eval_every": 0, "eval_windows": 0, "sample_tokens": 0}
+    if cfg.batch_size != "auto":
+        at_least["batch_size"] = 1
+    for name, low in at_least.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}.")
+    check_numbers(cfg)
+    if cfg.compile_only or cfg.slice:  # the console script hands these to eqgpt.cli.plan (eqgpt.cli.entry)
+        raise ValueError("--compile-only and --slice belong to the eqgpt-train console script (or eqgpt-plan); "
+                         "run `eqgpt-train --compile-only --slice v5e-16 ...`.")
+    for name in ("out_dir", "checkpoint_dir"):
+        path = getattr(cfg, name)
+        if path is not None and str(path) in ("", "."):  # '' parses as '.': an unset shell variable, most likely
+            raise ValueError(f"--{name.replace('_', '-')} is empty (or '.'): it would write the run into the current "
+                             "directory; name a directory (an unset shell variable?), or leave the flag out.")
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
+    check_writable(cfg.out_dir or "runs", "--out-dir")
+    if cfg.checkpoint_dir is not None:
+        check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
+    processes = distributed.resolve_settings().num_processes  # from the environment: no backend started yet
+    if cfg.batch_size != "auto" and cfg.batch_size % processes:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split over {processes} processes (each "
+                         f"loads its share of the rows): use a multiple of {processes}.")
+    if cfg.log == "tensorboard":
+        check_tensorboard()
+    check_fault_flags(cfg)

@@ -17,16 +17,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import signal
 import sys
 import time
 import typing
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-import equinox as eqx
 import jax
 import numpy as np
 import tyro
@@ -34,8 +33,7 @@ import tyro
 import eqgpt
 from eqgpt import distributed
 from eqgpt.cli import exit_on_user_error, imports_in, parse_cli
-from eqgpt.cli.ahead import Ahead
-from eqgpt.cli.checks import check_numbers, check_writable, flag_name
+from eqgpt.cli.checks import check_run_flags, flag_name
 from eqgpt.cli.flags import DataConfig, ModelConfig, OptimConfig
 from eqgpt.compile_cache import enable_compile_cache
 from eqgpt.data import ByteTokenizer, bytes_per_token, eval_windows, load_corpus
@@ -44,35 +42,26 @@ from eqgpt.data.grain_source import LoaderConfig, make_loader
 from eqgpt.launch import restart_with_malloc_tunables
 from eqgpt.nn import GPT
 from eqgpt.nn.factory import factory_path, import_modules
-from eqgpt.nn.kernels import auto_kernel_name
-from eqgpt.nn.mask import make_mask
 from eqgpt.parallel import ParallelFlags
+from eqgpt.profile import print_evidence
 from eqgpt.profile.compiles import CompileLog
 from eqgpt.profile.flops import flops_per_token, peak_flops
-from eqgpt.sample import generate_texts, lower_texts, on_one_device
 from eqgpt.train import (
     Policy,
     Strategy,
     Trainer,
     TrainerConfig,
-    TrainState,
-    eval_batches,
     make_eval_fn,
-    make_lr_schedule,
     make_optimizer,
     make_train_step,
-    plot_history,
-    save_model,
 )
+from eqgpt.train.ahead import compile_ahead
 from eqgpt.train.checkpoint import Checkpointer
-from eqgpt.train.fit import check_fits, largest_batch
-from eqgpt.train.guards import Guard
-from eqgpt.train.logging import check_tensorboard
-from eqgpt.train.optim import extend_schedule
+from eqgpt.train.finish import finish, sample_inputs
+from eqgpt.train.fit import check_memory, fit_batch, kernel_name
 from eqgpt.train.preemption import PREEMPTED_EXIT_CODE, Stopped, StopSignal, at_forced_exit, forced_exit
-from eqgpt.train.resume import check_resume, corpus_record
+from eqgpt.train.resume import check_resume, corpora_trained, corpus_record, newest_checkpoint, restore_run
 from eqgpt.train.run_dir import (
-    committed_steps,
     earlier_rows,
     finished,
     leave_run,
@@ -81,6 +70,8 @@ from eqgpt.train.run_dir import (
     run_to_continue,
     under_root,
 )
+from eqgpt.train.schedule_plan import planned_schedule, schedule_plan
+from eqgpt.train.state import initial_state
 
 
 @dataclass
@@ -218,34 +209,6 @@ def policy_of(cfg: TrainConfig) -> Policy:
     return Policy.named(name, master_weights=cfg.master_weights, int8_backward=cfg.int8_backward)
 
 
-def schedule_plan(cfg: TrainConfig, out: Path | None, step: int | None) -> dict:
-    """The run's learning-rate plan, as config.json records it: `planned_steps` (its warmup and cosine)
-    and `tails`, each `{"from", "to", "tail"}` (`extend_schedule`). A resume at `step` to --steps past the
-    plan's end adds a tail (--optim.extend; `restart`: a new plan over --steps)."""
-    fresh = {"planned_steps": cfg.steps, "tails": []}
-    saved = out / "config.json" if out is not None else None
-    if not step or saved is None or not saved.is_file() or cfg.optim.extend == "restart":
-        return fresh
-    record = json.loads(saved.read_text())
-    plan = record.get("schedule") or {"planned_steps": record["recipe"]["steps"], "tails": []}
-    end = plan["tails"][-1]["to"] if plan["tails"] else plan["planned_steps"]
-    if cfg.steps <= end:
-        return plan
-    return {**plan, "tails": [*plan["tails"], {"from": step, "to": cfg.steps, "tail": cfg.optim.extend}]}
-
-
-def schedule_of(cfg: TrainConfig, plan: dict | None = None):
-    """The learning rate of the --optim flags over `plan` (`schedule_plan`; default: --steps from step 0)."""
-    o, plan = cfg.optim, plan or {"planned_steps": cfg.steps, "tails": []}
-    total = plan["planned_steps"]
-    schedule = make_lr_schedule(o.lr, total_steps=total, warmup_steps=min(o.warmup_steps, total - 1),
-                                min_lr_ratio=o.min_lr_ratio)
-    for tail in plan["tails"]:
-        schedule = extend_schedule(schedule, start=tail["from"], end=tail["to"], final=o.lr * o.min_lr_ratio,
-                                   tail=tail["tail"])
-    return schedule
-
-
 def schedule_notes(cfg: TrainConfig, out: Path | None, step: int | None, plan: dict) -> list[str]:
     """With --resume: one line for a tail this resume adds, one naming --optim flags changed from the run's."""
     if not step or out is None or not (out / "config.json").is_file():
@@ -254,10 +217,10 @@ def schedule_notes(cfg: TrainConfig, out: Path | None, step: int | None, plan: d
     was = saved["recipe"].get("optim", {})
     changed = [f"{flag_name('optim.' + k)} {getattr(cfg.optim, k)} (the run's: {was[k]})"
                for k in ("lr", "warmup_steps", "min_lr_ratio") if k in was and was[k] != getattr(cfg.optim, k)]
-    now = schedule_of(cfg, plan)
+    now = schedule_of(cfg.optim, plan)
     if changed:
-        before = schedule_of(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **{
-            k: was[k] for k in ("lr", "warmup_steps", "min_lr_ratio") if k in was})), plan)
+        before = schedule_of(dataclasses.replace(cfg.optim, **{
+            k: was[k] for k in ("lr", "warmup_steps", "min_lr_ratio") if k in was}), plan)
         notes.append(f"changed on resume: {', '.join(changed)}; the learning rate at step {step} moves from "
                      f"{float(before(step)):.3g} to {float(now(step)):.3g}")
     if cfg.optim.extend == "restart" and cfg.steps > saved["recipe"]["steps"]:
@@ -271,11 +234,16 @@ def schedule_notes(cfg: TrainConfig, out: Path | None, step: int | None, plan: d
     return notes
 
 
+def schedule_of(o: OptimConfig, plan: dict):
+    """The learning rate of the --optim flags over `plan` (`eqgpt.train.schedule_plan`)."""
+    return planned_schedule(plan, lr=o.lr, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio)
+
+
 def optimizer_of(cfg: TrainConfig, policy: Policy | None = None, plan: dict | None = None):
     """AdamW with warmup and cosine decay, as the --optim flags say, over the run's `plan` (`schedule_plan`),
     with the policy's master weights, if any; **returns** (optimizer, schedule)."""
     o, policy = cfg.optim, policy or Policy()
-    schedule = schedule_of(cfg, plan)
+    schedule = schedule_of(o, plan or {"planned_steps": cfg.steps, "tails": []})
     return policy.optimizer(make_optimizer(
         schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm or None,
         decay_embeddings=o.decay_embeddings, decay_norms_and_biases=o.decay_norms_and_biases,
@@ -305,10 +273,11 @@ def model_record(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig) -> dict:
     return {**dataclasses.asdict(model_cfg), "block_factory": factory_path(cfg.model.block_factory())}
 
 
-def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpora: list[dict],
-                     plan: dict) -> None:
-    """`config.json` (and a fresh `metrics.jsonl` unless resuming); every process checks it agrees.
+def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpus, step: int, plan: dict) -> None:
+    """`config.json` (and a fresh `metrics.jsonl` unless resuming), with every corpus trained on since
+    (`corpora_trained`) and the learning-rate `plan`; every process checks it agrees.
     Written only once every check has passed: a refused run leaves the directory as it was."""
+    corpora = corpora_trained(out, corpus_record(corpus.name, corpus.fingerprint), step, resume=cfg.resume)
     if jax.process_count() > 1:  # every process must run what process 0 runs, or stop now
         distributed.check_same_on_all_processes({"recipe": dataclasses.asdict(cfg), "model": model_cfg})
     if distributed.is_main_process():
@@ -318,17 +287,6 @@ def write_run_config(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, co
         (out / "config.json").write_text(json.dumps(
             {"recipe": dataclasses.asdict(cfg), "model": model_record(cfg, model_cfg), "corpora": corpora,
              "schedule": plan}, indent=2, default=str))
-
-
-def corpora_of(cfg: TrainConfig, out: Path, corpus, step: int) -> list[dict]:
-    """config.json's `corpora`: every corpus the run has trained on, each with the step it began at
-    (a new one after --allow-new-corpus)."""
-    saved = out / "config.json"
-    history = json.loads(saved.read_text()).get("corpora") or [] if cfg.resume and saved.is_file() else []
-    now = corpus_record(corpus.name, corpus.fingerprint)
-    if not history or history[-1].get("fingerprint") != corpus.fingerprint:
-        history.append({**now, "from_step": step if history else 0})
-    return history
 
 
 def make_checkpointer(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, out: Path, corpus) -> Checkpointer:
@@ -363,91 +321,25 @@ def resume_check(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, corpus, log):
     return check
 
 
+def finished_run(cfg: TrainConfig, resumed: Path | None, log) -> dict | None:
+    """With --resume, the summary of a run that has finished --steps (said in one line), else `None`."""
+    if resumed is None or (done := finished(resumed, cfg.checkpoint_dir, cfg.steps)) is None:
+        return None
+    log(f"run {resumed} has finished its {done['steps']} steps; nothing to do, nothing changed "
+        f"(--steps N above {done['steps']} trains on)")
+    return done
+
+
+def resume_plan(cfg: TrainConfig, resumed: Path | None, model_cfg: eqgpt.GPTConfig, corpus) -> dict:
+    """The run's learning-rate plan (`eqgpt.train.schedule_plan`); with --resume, after checking the newest
+    checkpoint's model, data and corpus against these flags (`resume_check`), before anything compiles."""
+    newest = (None if resumed is None else newest_checkpoint(
+        checkpoint_dir_of(cfg, resumed), resume_check(cfg, model_cfg, corpus, lambda msg: None)))
+    return schedule_plan(resumed, newest, cfg.steps, cfg.optim.extend)
+
+
 def checkpoint_dir_of(cfg: TrainConfig, out: Path) -> Path:
     return Path(cfg.checkpoint_dir or out / "checkpoints")
-
-
-def check_newest_checkpoint(cfg: TrainConfig, out: Path, check) -> int | None:
-    """With --resume: the newest checkpoint's record checked against these flags, early (before any
-    compile); a record that cannot be read is left to `restore_run`, which falls back past it.
-    **Returns** the newest checkpoint's step (`None`: none)."""
-    ckpt = checkpoint_dir_of(cfg, out)
-    if not ckpt.is_dir():
-        return None
-    checkpointer = Checkpointer(ckpt)
-    step = checkpointer.latest_step()
-    try:
-        record = checkpointer.saved_record(step) if step is not None else None
-    except Exception:  # noqa: BLE001 - damage: restore names it and falls back
-        record = None
-    if record is not None:
-        check(step, *record)
-    return step
-
-
-def restore_run(cfg: TrainConfig, out: Path | None, state: TrainState, loader, check, log):
-    """With --resume, the latest good checkpoint that `check` accepts, restored into this run's layout
-    (any mesh, any strategy), and the loader's iterator state with it; writes nothing (but for setting
-    aside damaged checkpoints it passed over). **Returns** the `Restored`, or `None` (start at step 0)."""
-    if jax.process_count() > 1:
-        distributed.check_replicas_agree(state.model)
-    if out is None:
-        return None
-    ckpt = checkpoint_dir_of(cfg, out)
-    checkpointer = Checkpointer(ckpt) if ckpt.is_dir() else None  # never create it here
-    restored = (checkpointer.restore(state, strict=cfg.strict, allow_fresh=cfg.allow_fresh, check=check)
-                if checkpointer is not None else None)
-    if restored is not None:
-        log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
-        if "data" in restored.extras:
-            loader.restore(restored.extras["data"])
-        return restored
-    # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
-    traces = checkpointer.traces() if checkpointer is not None else []
-    log(f"--resume: no complete checkpoint in {ckpt}" + (f" (traces: {', '.join(traces)})" if traces else "")
-        + "; starting at step 0")
-    return None
-
-
-def check_fault_flags(cfg: TrainConfig) -> None:
-    """Refuse fault flags that cannot apply (before anything is written or compiled)."""
-    Guard(cfg.max_skipped, cfg.divergence_factor, cfg.divergence_window)  # names the bad flag
-    for flag in ("strict", "allow_fresh", "allow_new_corpus"):
-        if getattr(cfg, flag) and not cfg.resume:
-            raise ValueError(f"--{flag.replace('_', '-')} applies to --resume only; add --resume or drop it.")
-
-
-def check_run_flags(cfg: TrainConfig) -> None:
-    """Refuse counts, directories and optional packages the run cannot use, naming the flag, before
-    JAX starts and anything is written or compiled."""
-    at_least = {"steps": 1, "accum_steps": 1, "log_every": 1, "checkpoint_keep": 1, "checkpoint_every": 0,
-                "eval_every": 0, "eval_windows": 0, "sample_tokens": 0}
-    if cfg.batch_size != "auto":
-        at_least["batch_size"] = 1
-    for name, low in at_least.items():
-        if getattr(cfg, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}.")
-    check_numbers(cfg)
-    if cfg.compile_only or cfg.slice:  # the console script hands these to eqgpt.cli.plan (eqgpt.cli.entry)
-        raise ValueError("--compile-only and --slice belong to the eqgpt-train console script (or eqgpt-plan); "
-                         "run `eqgpt-train --compile-only --slice v5e-16 ...`.")
-    for name in ("out_dir", "checkpoint_dir"):
-        path = getattr(cfg, name)
-        if path is not None and str(path) in ("", "."):  # '' parses as '.': an unset shell variable, most likely
-            raise ValueError(f"--{name.replace('_', '-')} is empty (or '.'): it would write the run into the current "
-                             "directory; name a directory (an unset shell variable?), or leave the flag out.")
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            raise ValueError(f"--{name.replace('_', '-')} {path} is a file; name a directory.")
-    check_writable(cfg.out_dir or "runs", "--out-dir")
-    if cfg.checkpoint_dir is not None:
-        check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
-    processes = distributed.resolve_settings().num_processes  # from the environment: no backend started yet
-    if cfg.batch_size != "auto" and cfg.batch_size % processes:
-        raise ValueError(f"--batch-size {cfg.batch_size} does not split over {processes} processes (each "
-                         f"loads its share of the rows): use a multiple of {processes}.")
-    if cfg.log == "tensorboard":
-        check_tensorboard()
-    check_fault_flags(cfg)
 
 
 def check_prompts(cfg: TrainConfig, tok) -> None:
@@ -457,106 +349,6 @@ def check_prompts(cfg: TrainConfig, tok) -> None:
             tok.encode(prompt)
         except ValueError as e:
             raise ValueError(f"--sample-prompts {prompt!r}: {e}") from None
-
-
-def sample_inputs(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok) -> tuple | None:
-    """`generate_texts`'s arguments for --sample-prompts, and its key; `None` when there are none."""
-    n_new = min(cfg.sample_tokens, model_cfg.seq_len - max((len(tok.encode(p)) for p in cfg.sample_prompts), default=0))
-    if n_new < 1 or not cfg.sample_prompts:
-        return None
-    model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
-    rng = jax.device_put(state.rng.addressable_data(0), jax.local_devices()[0])  # replicated: this process's copy
-    return (model, tok, cfg.sample_prompts, n_new), rng
-
-
-def sample(cfg: TrainConfig, state: TrainState, model_cfg: eqgpt.GPTConfig, tok, compiled=None) -> list[str]:
-    """Generate from --sample-prompts with the trained model (KV cache, one device's view, one batch:
-    prompt i draws with fold_in(rng, i)); `compiled`: the program `compile_ahead` made."""
-    inputs = sample_inputs(cfg, state, model_cfg, tok)
-    return [] if inputs is None else generate_texts(*inputs[0], key=inputs[1], compiled=compiled)
-
-
-def compile_ahead(cfg: TrainConfig, state: TrainState, strategy: Strategy, eval_fn, val, model_cfg, corpus) -> Ahead:
-    """The validation and sampling programs, compiling in background threads (`eqgpt.cli.ahead`)."""
-    ahead = Ahead()
-    if val is not None:
-        first = eval_batches(val, TrainerConfig.eval_batch_size, strategy.batch_divisor)[0][0]
-        ahead.submit("eval", lambda: eval_fn.lower(state.model, strategy.batch(first)))
-    if cfg.sample_tokens and tokenizer_decodes(corpus, model_cfg):
-        def lower_sampler():
-            inputs = sample_inputs(cfg, state, model_cfg, corpus.tokenizer)
-            return None if inputs is None else lower_texts(*inputs[0], key=inputs[1])
-
-        ahead.submit("sample", lower_sampler)
-    ahead.close()  # no more jobs; the submitted ones run on
-    return ahead
-
-
-def finish(cfg, trainer: Trainer, state: TrainState, out: Path, corpus, model_cfg, t0: float, leave,
-           compiles: CompileLog | None = None, ahead: Ahead | None = None) -> dict:
-    """Save the model, plot, sample and summarise; **returns** the summary. A run stopped by SIGTERM
-    leaves at once: its checkpoint, or (a new run that completed no step) nothing (`leave`)."""
-    is_main = distributed.is_main_process()
-    summary = {"steps": int(state.step), "skipped": int(state.skipped), "interrupted": trainer.interrupted}
-    if trainer.fault is not None:  # non-finite or diverged: the last good state is saved; nothing to export
-        summary.update(stopped=trainer.fault.reason, exit_code=trainer.fault.code,
-                       seconds=trainer.seconds_before + time.perf_counter() - t0)
-        if is_main:
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
-    if trainer.stop_signal == signal.SIGTERM:  # preempted: the checkpoint is written; leave within the grace
-        summary["seconds"] = trainer.seconds_before + time.perf_counter() - t0
-        if is_main and committed_steps(checkpoint_dir_of(cfg, out)):
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        if is_main:
-            print(f"stopped at step {summary['steps']} by SIGTERM (exit status {PREEMPTED_EXIT_CODE}). {leave()}",
-                  flush=True)
-        return summary
-    # from host memory if offloaded
-    state = eqx.tree_at(lambda s: s.model, state, trainer.placement.on_device(state.model))
-    save_model(out, state.model)
-    if is_main:
-        corpus.tokenizer.save(out)  # tokenizer.json: what recipes/sample.py and eqgpt.interop decode with
-    samples = (sample(cfg, state, model_cfg, corpus.tokenizer, ahead and ahead.get("sample"))
-               if tokenizer_decodes(corpus, model_cfg) else [])
-    trainer.log_samples(summary["steps"], samples)
-    _, vals = trainer.history.series("val_loss")
-    summary.update(val_loss=vals[-1] if vals else None, first_val_loss=vals[0] if vals else None,
-                   seconds=trainer.seconds_before + time.perf_counter() - t0, samples=samples)
-    if compiles is not None:
-        summary["compile_seconds"] = compiles.phases()
-    if is_main:
-        plot_history(trainer.history, out / "loss.png",
-                     title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})")
-        (out / "samples.txt").write_text("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)))
-        print("".join(f"--- sample {i} ---\n{s}\n" for i, s in enumerate(samples)), end="")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        _, bpb = trainer.history.series("val_bpb")
-        val = f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} nats/token " if vals else ""
-        val += f"({bpb[0]:.3f} -> {bpb[-1]:.3f} bits/byte) " if bpb else ""
-        print(f"done: {val}in {summary['seconds'] / 60:.1f} min; outputs in {out}/")
-        if compiles is not None:
-            print(compiles.summary())
-    return summary
-
-
-def print_evidence(cfg: TrainConfig, step_fn, state: TrainState, strategy: Strategy, first_batch, model_cfg,
-                   policy: Policy, log) -> None:
-    """--report: the compiled step's collectives and memory per device; --estimate: the predicted
-    bytes per device (before compiling), then beside the compiled step's memory analysis."""
-    if not (cfg.report or cfg.estimate):
-        return
-    from eqgpt.profile import estimate, report, schedule_table
-
-    predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy) if cfg.estimate else None
-    if predicted is not None:
-        log(predicted.table(title=f"{strategy.describe()}: estimated memory per device (nothing compiled yet)"))
-    compiled = step_fn.lower(state, first_batch()).compile()
-    if cfg.report:
-        log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
-        log(schedule_table(compiled, mesh=strategy.mesh, title=f"{strategy.describe()}: exposed vs overlappable"))
-    if predicted is not None:
-        log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
 
 
 def use_compile_cache(cfg: TrainConfig) -> Path | None:
@@ -576,71 +368,6 @@ def start_jax(cfg: TrainConfig) -> Path | None:
     compile_cache = use_compile_cache(cfg)
     distributed.initialize()  # one process: nothing; several: EQGPT_* / SLURM / Open MPI settings
     return compile_cache
-
-
-def initial_state(cfg: TrainConfig, strategy: Strategy, policy: Policy, make_model, plan: dict | None = None):
-    """The freshly initialised `TrainState` in the strategy's layout; **returns** it, the optimizer, the schedule."""
-    optimizer, schedule = optimizer_of(cfg, policy, plan)
-    key_model, key_state = jax.random.split(jax.random.key(cfg.seed))
-    model = strategy.init_model(make_model, key_model)
-    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
-                       loss_scale=policy.loss_scale_state())
-    return state, optimizer, schedule
-
-
-def fit_batch(cfg: TrainConfig, strategy: Strategy, policy: Policy, model_cfg, model_like, state, optimizer,
-              log):
-    """--batch-size checked against the device's memory by compiling the step (`eqgpt.train.fit`), 'auto'
-    resolved to the largest batch that fits; **returns** `cfg` with that batch and the compiled step (`None`
-    where the device's memory is unknown, as on a CPU). Raises `DoesNotFit` (a `ValueError` naming the GiB
-    and the flags to change) before anything is written."""
-    @functools.cache  # 'auto' compiled the size it chose: the check below reuses that program
-    def compile_at(rows: int):
-        step = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
-                               z_loss=cfg.z_loss, model_like=model_like)
-        windows = np.zeros((rows // jax.process_count(), model_cfg.seq_len + 1), np.int32)
-        return step.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
-
-    batch = cfg.batch_size
-    if batch == "auto":
-        multiple = strategy.rows_divisor * cfg.accum_steps
-        batch = largest_batch(compile_at, multiple=multiple, start=max(multiple, 8 // multiple * multiple), log=log)
-        strategy.check(model_like, batch_size=batch, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
-        log(f"--batch-size auto: {batch} sequences per step")
-    compiled = check_fits(lambda: compile_at(batch), what=f"the training step at --batch-size {batch}")
-    return dataclasses.replace(cfg, batch_size=batch), compiled
-
-
-def check_memory(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig, strategy: Strategy, policy: Policy) -> None:
-    """Before the first compile: refuse a step whose predicted bytes per device (`eqgpt.profile.estimate`)
-    exceed the memory it has: a CPU's RAM shared by its devices, or (by more than half again: the compiled
-    step's check is exact there) an accelerator's. Names the flags that shrink it."""
-    if cfg.batch_size == "auto":  # found by compiling, within the device's memory
-        return
-    from eqgpt.profile import estimate
-    from eqgpt.train.fit import GIB, device_memory
-
-    limit, margin, where = device_memory(), 1.5, "the device's memory"
-    if limit is None:
-        import os
-
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(jax.local_devices())
-        margin, where = 1.0, "this machine's memory" + (" per CPU device" if len(jax.local_devices()) > 1 else "")
-    predicted = estimate(model_cfg, strategy=strategy, batch=cfg.batch_size, policy=policy,
-                         scores=kernel_name(model_cfg, policy) == "reference").total
-    if predicted > margin * limit:
-        raise ValueError(
-            f"--model.seq-len {model_cfg.seq_len} --batch-size {cfg.batch_size}: the step is predicted to need "
-            f"{predicted / GIB:.1f} GiB per device (eqgpt.profile.estimate), above the {limit / GIB:.1f} GiB of "
-            f"{where}; lower --model.seq-len or --batch-size, or add --accum-steps N or --model.remat full.")
-
-
-def kernel_name(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
-    """The attention kernel the model runs ('auto' resolved for this backend and length)."""
-    if model_cfg.attention_kernel != "auto":
-        return model_cfg.attention_kernel
-    mask = make_mask(model_cfg.mask, model_cfg.window)
-    return auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
 
 
 def kernel_choice(model_cfg: eqgpt.GPTConfig, policy: Policy) -> str:
@@ -676,6 +403,15 @@ def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Polic
     return compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
 
 
+def sampler_of(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig):
+    """The end-of-run samples' inputs as a function of the state (`eqgpt.train.finish.sample_inputs` of
+    --sample-prompts and --sample-tokens); `None`: none asked for, or no tokenizer decodes the model's ids."""
+    if not (cfg.sample_tokens and tokenizer_decodes(corpus, model_cfg)):
+        return None
+    return functools.partial(sample_inputs, tokenizer=corpus.tokenizer, prompts=cfg.sample_prompts,
+                             max_new=cfg.sample_tokens, seq_len=model_cfg.seq_len)
+
+
 def validation_windows(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig):
     """The validation windows of --eval-windows (`None` without)."""
     if not cfg.eval_windows:
@@ -700,41 +436,41 @@ def main(cfg: TrainConfig) -> dict:
     compile_cache = start_jax(cfg)
     log = (lambda msg: print(msg, flush=True)) if distributed.is_main_process() else (lambda msg: None)
     resumed = run_to_continue(cfg.out_dir, cfg.checkpoint_dir, resume=cfg.resume)
-    if resumed is not None and (done := finished(resumed, cfg.checkpoint_dir, cfg.steps)) is not None:
-        log(f"run {resumed} has finished its {done['steps']} steps; nothing to do, nothing changed "
-            f"(--steps N above {done['steps']} trains on)")
+    if (done := finished_run(cfg, resumed, log)) is not None:
         return done
     model_cfg, block_factory = cfg.model.build(), cfg.model.block_factory()
     cfg.model.check_kernel(model_cfg)
     strategy, policy = strategy_of(cfg), policy_of(cfg)  # every flag error is raised here or in `check`
     corpus, model_cfg = corpus_of(cfg, model_cfg)
-    newest = (None if resumed is None  # the checkpoint's model, data and corpus against these flags, before compiling
-              else check_newest_checkpoint(cfg, resumed, resume_check(cfg, model_cfg, corpus, lambda msg: None)))
-    plan = schedule_plan(cfg, resumed, newest)
+    plan = resume_plan(cfg, resumed, model_cfg, corpus)  # checks the checkpoint's record before compiling
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k, block_factory=block_factory))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     if cfg.batch_size != "auto":
         strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
-    check_memory(cfg, model_cfg, strategy, policy)  # before the first compile
-    state, optimizer, schedule = initial_state(cfg, strategy, policy, make_model, plan)
+    check_memory(cfg.batch_size, model_cfg, strategy, policy)  # before the first compile
+    optimizer, schedule = optimizer_of(cfg, policy, plan)
+    state = initial_state(optimizer, strategy, policy, make_model, cfg.seed)
     eval_fn = make_eval_fn(strategy.loss_fn(z_loss=cfg.z_loss, model_like=model_like), policy=policy)
     val = validation_windows(cfg, corpus, model_cfg)
-    ahead = compile_ahead(cfg, state, strategy, eval_fn, val, model_cfg, corpus)  # while the step compiles
-    cfg, compiled = fit_batch(cfg, strategy, policy, model_cfg, model_like, state, optimizer, log)
+    ahead = compile_ahead(state, strategy, eval_fn, val, sampler := sampler_of(cfg, corpus, model_cfg))  # meanwhile
+    batch, compiled = fit_batch(cfg.batch_size, optimizer, state, strategy, policy, model_like, log=log,
+                                seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps, z_loss=cfg.z_loss)
+    cfg = dataclasses.replace(cfg, batch_size=batch)
     loader = make_loader(corpus.train, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, seed=cfg.seed,
                          config=LoaderConfig(cfg.data.mode, cfg.data.threads, cfg.data.prefetch),
                          docs=corpus.train_docs)
-    restored = restore_run(cfg, resumed, state, loader, resume_check(cfg, model_cfg, corpus, log), log)
+    restored = restore_run(resumed and checkpoint_dir_of(cfg, resumed), state, loader, resume_check(
+        cfg, model_cfg, corpus, log), log, strict=cfg.strict, allow_fresh=cfg.allow_fresh)
     state, seconds = (state, 0.0) if restored is None else (restored.state, float(restored.extras.get("seconds", 0)))
     step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
     # Every check has passed: only now is anything written (a refused run leaves no file and no directory).
     out, leave, forget = open_run(cfg, resumed)
-    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log)
-    for note in schedule_notes(cfg, resumed, int(state.step), plan):
-        log(note)
-    write_run_config(cfg, model_cfg, out, corpora_of(cfg, out, corpus, int(state.step)), plan)
+    describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log,
+                 notes=schedule_notes(cfg, resumed, int(state.step), plan))
+    write_run_config(cfg, model_cfg, out, corpus, int(state.step), plan)
     checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
-    print_evidence(cfg, step_fn, state, strategy, lambda: strategy.batch(loader.local_batch(0)), model_cfg, policy, log)
+    print_evidence(lambda: step_fn.lower(state, strategy.batch(loader.local_batch(0))), strategy, policy, model_cfg,
+                   cfg.batch_size, show_report=cfg.report, show_estimate=cfg.estimate, log=log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))
     trainer = Trainer(step_fn, state, loader, strategy, eval_fn=ahead.get("eval") or eval_fn, schedule=schedule,
@@ -745,7 +481,9 @@ def main(cfg: TrainConfig) -> dict:
     ahead.lowered()  # before the step donates the arrays they were lowered with
     try:
         state = compiles.training(trainer.run, int(trainer.state.step))
-        return finish(cfg, trainer, state, out, corpus, model_cfg, t0, leave, compiles, ahead)
+        return finish(trainer, state, out, tokenizer=corpus.tokenizer, checkpoint_dir=checkpoint_dir_of(cfg, out),
+                      title=f"{cfg.model.preset} on {corpus.name} ({corpus.tokenizer.name})", sampler=sampler, t0=t0,
+                      leave=leave, compiles=compiles, ahead=ahead)
     finally:
         forget()  # this run's note for a forced exit
 
@@ -769,8 +507,9 @@ def model_line(cfg: TrainConfig, model_cfg, model_like, policy, corpus, strategy
             f"tokens | {strategy!r} | peak {peak}")
 
 
-def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy, model_like, model_cfg, corpus, log):
-    """What the run is about to do: its directory, cache, buckets, pipeline stages, corpus notes."""
+def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy, model_like, model_cfg, corpus, log,
+                 notes: Sequence[str] = ()):
+    """What the run is about to do: its directory, cache, buckets, pipeline stages, corpus notes, then `notes`."""
     log(f"run directory: {out}")
     if compile_cache is not None:
         log(f"compilation cache: {compile_cache} (a second start reads its programs; --no-compile-cache: off)")
@@ -781,6 +520,8 @@ def describe_run(cfg: TrainConfig, out: Path, compile_cache, strategy: Strategy,
     if not tokenizer_decodes(corpus, model_cfg):
         log(f"{cfg.data.corpus} holds ids up to vocab {model_cfg.vocab_size} and --data.tokenizer names no tokenizer "
             "for them: no samples or bits per byte (pass the tokenizer.json or GPT-2 vocab.json that made the file)")
+    for note in notes:
+        log(note)
 
 
 def config_from_json(cls, data: dict):

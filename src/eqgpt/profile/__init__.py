@@ -1,14 +1,17 @@
 """Evidence from compiled programs: collective inventory, memory, (FLOPs in `flops`).
 
 `report(compiled)` is what recipes print for `--report`: the collective table and
-the memory table of one compiled step. Importing this package needs nothing
+the memory table of one compiled step; `print_evidence` prints it (and `--estimate`'s
+tables) for a training step. Importing this package needs nothing
 beyond JAX; `rich` is imported when a table is drawn.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from eqgpt.config import GPTConfig
 from eqgpt.profile.collectives import (
     KINDS,
     SLICED,
@@ -48,8 +51,27 @@ def report(compiled: Any, *, mesh: Any = None, by_phase: bool = True, title: str
     )
 
 
+def print_evidence(lower: Callable[[], Any], strategy: Any, policy: Any, config: GPTConfig, batch: int, *,
+                   show_report: bool, show_estimate: bool, log: Callable[[str], None]) -> None:
+    """`show_report` (--report): the step's collectives and memory per device, compiled from `lower()`
+    (its `Lowered`); `show_estimate` (--estimate): the predicted bytes per device (`estimate`, printed
+    before compiling), then beside the compiled step's memory analysis."""
+    if not (show_report or show_estimate):
+        return
+    predicted = estimate(config, strategy=strategy, batch=batch, policy=policy) if show_estimate else None
+    if predicted is not None:
+        log(predicted.table(title=f"{strategy.describe()}: estimated memory per device (nothing compiled yet)"))
+    compiled = lower().compile()
+    if show_report:
+        log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+        log(schedule_table(compiled, mesh=strategy.mesh, title=f"{strategy.describe()}: exposed vs overlappable"))
+    if predicted is not None:
+        log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
+
+
 __all__ = [
     "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary",
     "collective_table", "total_bytes", "Estimate", "estimate", "MemoryReport", "memory", "memory_table", "report",
     "ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table", "matmul_flops",
+    "print_evidence",
 ]

@@ -1,5 +1,9 @@
 """Does a compiled step fit the device? Checked before the first step, and the largest batch that does.
 
+`check_memory` refuses a step whose predicted bytes (`eqgpt.profile.estimate`) exceed the
+device's before anything compiles; `fit_batch` then checks --batch-size by compiling (or
+resolves 'auto'), as `eqgpt-train` runs them.
+
 `check_fits(compile_step)` compiles the step and reads XLA's memory analysis of it
 (arguments plus temporaries per device, `eqgpt.profile.memory`). If that exceeds
 the device's memory, or the compiler itself runs out, it raises `DoesNotFit`, a
@@ -17,14 +21,23 @@ smaller device, as the tests do).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
+from eqgpt.config import GPTConfig
+from eqgpt.data.batch import Batch
+from eqgpt.nn.kernels import auto_kernel_name
+from eqgpt.nn.mask import make_mask
+from eqgpt.parallel.strategy import Strategy
+from eqgpt.precision import Policy
 from eqgpt.profile.memory import memory
+from eqgpt.train.step import make_train_step
 
 GIB = 2**30
 FIXES = ("a smaller --batch-size (or --batch-size auto)", "--model.remat full (or save_qkv_proj, minimal)",
@@ -140,4 +153,57 @@ def largest_batch(compile_at: Callable[[int], Any], *, multiple: int, start: int
     return start
 
 
-__all__ = ["DoesNotFit", "device_memory", "step_bytes", "check_fits", "largest_batch"]
+def fit_batch(batch_size: int | str, optimizer: Any, state: Any, strategy: Strategy, policy: Policy, model_like: Any,
+              *, seq_len: int, accum_steps: int, z_loss: float, log: Callable[[str], None]) -> tuple[int, Any]:
+    """The step of `make_train_step(optimizer, ...)` from `state`: `batch_size` (--batch-size) checked against
+    the device's memory by compiling the step, 'auto' resolved to the largest batch that fits; **returns** that
+    batch and the compiled step (`None` where the device's memory is unknown, as on a CPU). Raises `DoesNotFit`
+    (a `ValueError` naming the GiB and the flags to change) before anything is written."""
+    @functools.cache  # 'auto' compiled the size it chose: the check below reuses that program
+    def compile_at(rows: int):
+        step = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=accum_steps,
+                               z_loss=z_loss, model_like=model_like)
+        windows = np.zeros((rows // jax.process_count(), seq_len + 1), np.int32)
+        return step.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+
+    batch = batch_size
+    if batch == "auto":
+        multiple = strategy.rows_divisor * accum_steps
+        batch = largest_batch(compile_at, multiple=multiple, start=max(multiple, 8 // multiple * multiple), log=log)
+        strategy.check(model_like, batch_size=batch, seq_len=seq_len, accum_steps=accum_steps)
+        log(f"--batch-size auto: {batch} sequences per step")
+    compiled = check_fits(lambda: compile_at(batch), what=f"the training step at --batch-size {batch}")
+    return batch, compiled
+
+
+def check_memory(batch_size: int | str, model_cfg: GPTConfig, strategy: Strategy, policy: Policy) -> None:
+    """Before the first compile: refuse a step whose predicted bytes per device (`eqgpt.profile.estimate`)
+    exceed the memory it has: a CPU's RAM shared by its devices, or (by more than half again: the compiled
+    step's check is exact there) an accelerator's. Names the flags that shrink it."""
+    if batch_size == "auto":  # found by compiling, within the device's memory
+        return
+    from eqgpt.profile import estimate
+
+    limit, margin, where = device_memory(), 1.5, "the device's memory"
+    if limit is None:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(jax.local_devices())
+        margin, where = 1.0, "this machine's memory" + (" per CPU device" if len(jax.local_devices()) > 1 else "")
+    predicted = estimate(model_cfg, strategy=strategy, batch=batch_size, policy=policy,
+                         scores=kernel_name(model_cfg, policy) == "reference").total
+    if predicted > margin * limit:
+        raise ValueError(
+            f"--model.seq-len {model_cfg.seq_len} --batch-size {batch_size}: the step is predicted to need "
+            f"{predicted / GIB:.1f} GiB per device (eqgpt.profile.estimate), above the {limit / GIB:.1f} GiB of "
+            f"{where}; lower --model.seq-len or --batch-size, or add --accum-steps N or --model.remat full.")
+
+
+def kernel_name(model_cfg: GPTConfig, policy: Policy) -> str:
+    """The attention kernel the model runs ('auto' resolved for this backend and length)."""
+    if model_cfg.attention_kernel != "auto":
+        return model_cfg.attention_kernel
+    mask = make_mask(model_cfg.mask, model_cfg.window)
+    return auto_kernel_name(mask, model_cfg.seq_len, model_cfg.seq_len, policy.compute)
+
+
+__all__ = ["DoesNotFit", "device_memory", "step_bytes", "check_fits", "largest_batch", "fit_batch", "check_memory",
+           "kernel_name"]

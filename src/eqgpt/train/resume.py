@@ -7,13 +7,23 @@ raises one `IncompatibleCheckpointError` naming every flag that differs, so a re
 changes no file of the run. A different corpus (another fingerprint of its token arrays) is
 refused unless asked for (`allow_new_corpus`); the same tokens under another path are the same
 corpus, moved.
+
+`newest_checkpoint` runs that check on the newest checkpoint's record before anything
+compiles; `restore_run` restores the latest good checkpoint the check accepts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
-from eqgpt.train.checkpoint import IncompatibleCheckpointError
+import jax
+
+from eqgpt import distributed
+from eqgpt.train.checkpoint import Checkpointer, IncompatibleCheckpointError, Restored
+from eqgpt.train.state import TrainState
 
 DATA_FIELDS = ("seed", "mode", "batch_size", "seq_len")  # of a loader's state: fix every batch of a run
 
@@ -75,4 +85,56 @@ def check_resume(step: int, saved: Mapping, extras: Mapping, *, model: Mapping, 
     return notes
 
 
-__all__ = ["DATA_FIELDS", "check_resume", "corpus_record"]
+def corpora_trained(out: Path, corpus: Mapping, step: int, *, resume: bool) -> list[dict]:
+    """config.json's `corpora`: every corpus the run in `out` has trained on (`corpus_record`s), each with
+    the step it began at; `corpus`, this run's, is added at `step` when it is another (--allow-new-corpus)."""
+    saved = out / "config.json"
+    history = json.loads(saved.read_text()).get("corpora") or [] if resume and saved.is_file() else []
+    if not history or history[-1].get("fingerprint") != corpus["fingerprint"]:
+        history.append({**corpus, "from_step": step if history else 0})
+    return history
+
+
+def newest_checkpoint(checkpoint_dir: Path, check: Callable[[int, dict, dict], None]) -> int | None:
+    """The newest checkpoint's record in `checkpoint_dir` checked (`check(step, saved, extras)`) early,
+    before any compile; a record that cannot be read is left to `restore_run`, which falls back past it.
+    **Returns** the newest checkpoint's step (`None`: none)."""
+    if not checkpoint_dir.is_dir():
+        return None
+    checkpointer = Checkpointer(checkpoint_dir)
+    step = checkpointer.latest_step()
+    try:
+        record = checkpointer.saved_record(step) if step is not None else None
+    except Exception:  # noqa: BLE001 - damage: restore names it and falls back
+        record = None
+    if record is not None:
+        check(step, *record)
+    return step
+
+
+def restore_run(checkpoint_dir: Path | None, state: TrainState, loader: Any, check: Callable[[int, dict, dict], None],
+                log: Callable[[str], None], *, strict: bool = False, allow_fresh: bool = False) -> Restored | None:
+    """The latest good checkpoint in `checkpoint_dir` (`None`: not resuming) that `check` accepts,
+    restored into `state`'s layout (any mesh, any strategy), and the loader's iterator state with it;
+    writes nothing (but for setting aside damaged checkpoints it passed over); `strict`, `allow_fresh`:
+    as `Checkpointer.restore`. **Returns** the `Restored`, or `None` (start at step 0)."""
+    if jax.process_count() > 1:
+        distributed.check_replicas_agree(state.model)
+    if checkpoint_dir is None:
+        return None
+    checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir.is_dir() else None  # never create it here
+    restored = (checkpointer.restore(state, strict=strict, allow_fresh=allow_fresh, check=check)
+                if checkpointer is not None else None)
+    if restored is not None:
+        log(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
+        if "data" in restored.extras:
+            loader.restore(restored.extras["data"])
+        return restored
+    # (with traces of earlier checkpoints, only after --allow-fresh: restore refuses otherwise)
+    traces = checkpointer.traces() if checkpointer is not None else []
+    log(f"--resume: no complete checkpoint in {checkpoint_dir}" + (f" (traces: {', '.join(traces)})" if traces else "")
+        + "; starting at step 0")
+    return None
+
+
+__all__ = ["DATA_FIELDS", "check_resume", "corpora_trained", "corpus_record", "newest_checkpoint", "restore_run"]

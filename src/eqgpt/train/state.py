@@ -1,6 +1,8 @@
-"""`TrainState`: everything a training step reads and writes."""
+"""`TrainState`: everything a training step reads and writes; `initial_state`: a fresh one."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -8,7 +10,8 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from eqgpt.precision import LossScale
+from eqgpt.parallel.strategy import Strategy
+from eqgpt.precision import LossScale, Policy
 
 
 class TrainState(eqx.Module):
@@ -39,3 +42,13 @@ class TrainState(eqx.Module):
         self.rng = rng
         self.skipped = jnp.asarray(skipped, jnp.int32)
         self.loss_scale = loss_scale
+
+
+def initial_state(optimizer: optax.GradientTransformation, strategy: Strategy, policy: Policy,
+                  make_model: Callable[[PRNGKeyArray], PyTree], seed: int) -> TrainState:
+    """A freshly initialised `TrainState` in the strategy's layout: the model from `make_model(key)`
+    and the optimizer state, keys split from `seed`, and the policy's loss scale."""
+    key_model, key_state = jax.random.split(jax.random.key(seed))
+    model = strategy.init_model(make_model, key_model)
+    return TrainState(model, strategy.init_opt_state(optimizer, model), rng=key_state,
+                      loss_scale=policy.loss_scale_state())

@@ -6,7 +6,7 @@ directory, loader and checkpoint are prepared, and each is collected where it is
 used. XLA compiles outside Python's lock, so on a host with cores to spare three
 programs take about the time of the slowest. A job's lowering reads its arguments'
 shapes only; `lowered()` waits for every lowering, so that the training step may then
-donate the arrays they were lowered with.
+donate the arrays they were lowered with. `compile_ahead` submits a run's two.
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from eqgpt.parallel.strategy import Strategy
+from eqgpt.sample import lower_texts
+from eqgpt.train.state import TrainState
+from eqgpt.train.trainer import TrainerConfig, eval_batches
 
 
 class Ahead:
@@ -53,4 +58,23 @@ class Ahead:
         self._pool.shutdown(wait=False)
 
 
-__all__ = ["Ahead"]
+def compile_ahead(state: TrainState, strategy: Strategy, eval_fn: Any, val: Any,
+                  sampler: Callable[[TrainState], tuple | None] | None) -> Ahead:
+    """The validation program (for the windows `val`, unless `None`) and the sampling program
+    (`sampler(state)`: `generate_texts`'s arguments and key, `eqgpt.train.finish.sample_inputs`;
+    `None`: no samples), compiling in background threads."""
+    ahead = Ahead()
+    if val is not None:
+        first = eval_batches(val, TrainerConfig.eval_batch_size, strategy.batch_divisor)[0][0]
+        ahead.submit("eval", lambda: eval_fn.lower(state.model, strategy.batch(first)))
+    if sampler is not None:
+        def lower_sampler():
+            inputs = sampler(state)
+            return None if inputs is None else lower_texts(*inputs[0], key=inputs[1])
+
+        ahead.submit("sample", lower_sampler)
+    ahead.close()  # no more jobs; the submitted ones run on
+    return ahead
+
+
+__all__ = ["Ahead", "compile_ahead"]
