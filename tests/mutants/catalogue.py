@@ -93,7 +93,7 @@ CATALOGUE: list[Mutation] = [
              'return Action(kind, group * p + within % p, chunk if kind == "F" else v - 1 - chunk)',
              "return Action(kind, group * p + within % p, chunk)",
              "tests/test_pipeline_schedules.py", "backwards run the chunks in forward order"),
-    Mutation("stage-placement-contiguous", "parallel/pipeline/executor.py",
+    Mutation("stage-placement-contiguous", "parallel/pipeline/stages.py",
              'return rearrange(x, "(v p l) ... -> p v l ...", p=p, v=v)',
              'return rearrange(x, "(p v l) ... -> p v l ...", p=p, v=v)',
              f"{GRAD} pipeline-interleaved", "device s holds chunks s v.. instead of s, s + p, .."),

@@ -1,5 +1,6 @@
-"""Pipeline parallelism: schedules as data (`schedules`), one SPMD executor (`executor`), and
-the layers each stage runs (`balance`).
+"""Pipeline parallelism: schedules as data (`schedules`, `lowering`), one SPMD executor (`executor`),
+the layout over stages (`stages`), the once-per-step reductions (`reduce`), and the layers each
+stage runs (`balance`).
 
 See `docs/parallelism/pipeline.md`.
 """
@@ -12,20 +13,13 @@ from eqgpt.parallel.pipeline.balance import (
     measure_costs,
     stage_flops,
 )
-from eqgpt.parallel.pipeline.executor import (
-    PP,
-    bubble_report,
-    check_pipeline,
-    from_stages,
-    pipeline_grad_fn,
-    stage_slots,
-    to_stages,
-)
+from eqgpt.parallel.pipeline.executor import pipeline_grad_fn
 from eqgpt.parallel.pipeline.lowering import Lowered, lower
 from eqgpt.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
     Schedule,
+    bubble_report,
     from_programs,
     gpipe,
     interleaved,
@@ -33,6 +27,7 @@ from eqgpt.parallel.pipeline.schedules import (
     one_f_one_b,
     zero_bubble_h1,
 )
+from eqgpt.parallel.pipeline.stages import PP, check_pipeline, from_stages, stage_slots, to_stages
 
 __all__ = [
     "Action", "Schedule", "SCHEDULES", "from_programs", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1",

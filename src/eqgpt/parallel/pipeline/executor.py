@@ -28,25 +28,17 @@ three branches (four when split) whatever the schedule. The loss is added only o
 virtual stage (an MoE layer's auxiliary losses on the stage that runs it) and
 summed over stages once, after the loop.
 
-Uneven stages (`layers_per_stage`, see `balance`): every chunk holds as many
-layer slots as the largest, its own layers first; a chunk then runs its slots one
-at a time, each under a `lax.cond` on whether the slot holds a layer, so padding
-computes nothing. With the equal split the chunk runs `run_blocks` whole.
+Uneven stages (`layers_per_stage`): see `stages`; every chunk holds as many layer slots as the
+largest, and padding slots compute nothing.
 
 After the branch, two `ppermute`s move the outgoing activation one stage forward
 and the outgoing gradient one stage back (around the ring when stages hold
 several chunks); the receiver stores each in the slot the lowering chose.
 
-Data parallelism: the batch is split over `data` and `fsdp`; every device
-accumulates *local* gradients over all its microbatches and the step reduces them
-once at the end: a `psum` over `data`, and a `psum_scatter` over `fsdp` along
-the dimensions FSDP shards (FSDP parameters are all-gathered once per step
-on entry). With `bucket_bytes` the end-of-step all-reduces (over `pipeline` for
-the embedding and head, over the data axes for every array FSDP does not shard)
-are packed into fp32 buckets (`eqgpt.parallel.buckets`): the same bytes in fewer
-calls; FSDP's reduce-scatters stay one per array. The `tensor` axis is left to the automatic partitioner: weights that
-the rules split over `tensor` stay split inside each stage and XLA inserts the
-Megatron all-reduces.
+Data parallelism: the batch is split over `data` and `fsdp`; every device accumulates *local*
+gradients over its microbatches and the step reduces them once at the end (`reduce`). The `tensor`
+axis is left to the automatic partitioner: weights the rules split over `tensor` stay split inside
+each stage and XLA inserts the Megatron all-reduces.
 
 Context parallelism (`context=Context(...)`, the part): the batch is put into the
 layout (zigzag) once per step, before the program, by the part's hook
@@ -94,7 +86,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from einops import rearrange
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array
@@ -106,12 +97,9 @@ from eqgpt.nn.loss import chunked_cross_entropy
 from eqgpt.nn.moe import MoEStats, moe_loss
 from eqgpt.nn.protocol import check_language_model, num_layers
 from eqgpt.parallel.auto import param_specs
-from eqgpt.parallel.buckets import bucketed_all_reduce
 from eqgpt.parallel.collectives import (
-    all_gather,
     all_reduce,
     ppermute,
-    reduce_scatter,
     to_varying,
 )
 from eqgpt.parallel.pipeline.balance import (
@@ -130,206 +118,25 @@ from eqgpt.parallel.pipeline.lowering import (
     OP,
     lower,
 )
-from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
-from eqgpt.parallel.rules import Rules, entry_axes, is_spec, preset_rules
+from eqgpt.parallel.pipeline.reduce import batch_axes, gather_params, reduce_grads, sum_leaves
+from eqgpt.parallel.pipeline.schedules import Schedule, bubble_report, make_pipeline_schedule
+from eqgpt.parallel.pipeline.stages import (
+    MANUAL_AXES,
+    PIPELINE,
+    ROW_AXES,
+    batch_fields,
+    check_pipeline,
+    from_stages,
+    split_model,
+    stage_model,
+    stage_slots,
+    to_stages,
+    with_blocks,
+    without_blocks,
+)
+from eqgpt.parallel.rules import Rules, preset_rules
 from eqgpt.parallel.shard_map import token_count
 from eqgpt.precision import Policy, scale_value, unscale
-
-PIPELINE = "pipeline"
-BATCH_AXES = ("data", "fsdp")  # split the rows; parameters split over them are gathered per step
-EXPERT = "expert"  # splits the rows too, and the experts, which stay split (eqgpt.parallel.expert)
-ROW_AXES = (*BATCH_AXES, EXPERT)
-MANUAL_AXES = (PIPELINE, *ROW_AXES)
-
-#: Place the layer stack over the pipeline axis (merge into a strategy: `rules + PP`).
-PP = Rules(params={"layers": PIPELINE}, name="pp")
-
-
-# ------------------------------------------------------------------ checks
-
-
-def check_pipeline(
-    config_layers: int, mesh: Mesh, schedule: Schedule, batch_size: int | None = None, *, context: Any = None,
-    layers_per_stage: tuple[int, ...] | str = "equal",
-) -> None:
-    """Raise `ValueError` (before anything compiles) for sizes the pipeline cannot split.
-
-    **Arguments:** the model's number of layers, the `mesh`, the `schedule`,
-    optionally the global `batch_size`, the `Context` part when the sequence
-    is split over `context` too, and the split of the layers (`"equal"`, `"auto"`
-    or a count per virtual stage).
-    """
-    missing = [a for a in (*MANUAL_AXES, "tensor") if a not in mesh.shape]
-    if missing:
-        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}; build the mesh with "
-                         "eqgpt.parallel.make_mesh('pipeline=4,data=2').")
-    p = mesh.shape[PIPELINE]
-    if schedule.num_stages != p:
-        raise ValueError(f"schedule {schedule.name!r} has {schedule.num_stages} stages but the mesh's "
-                         f"pipeline axis has {p}; build the schedule with num_stages={p}.")
-    if mesh.shape.get("context", 1) > 1 and not context:
-        raise ValueError("the mesh has a context axis but the pipeline has no context attention; pass "
-                         "context=Context('ring') (recipe: --context ring) or set context=1.")
-    G = schedule.num_virtual_stages
-    if not isinstance(layers_per_stage, str):
-        check_layers(layers_per_stage, config_layers, G)
-    elif layers_per_stage not in ("equal", "auto"):
-        raise ValueError(f"layers_per_stage={layers_per_stage!r}: use 'equal', 'auto' or a count per virtual stage.")
-    if config_layers % (p if layers_per_stage != "equal" else G):
-        ok_p = [d for d in range(1, config_layers + 1) if config_layers % (d * schedule.num_chunks) == 0]
-        ok_layers = [G * k for k in range(1, 5)]
-        if layers_per_stage != "equal":  # the layer stack is still placed evenly over `pipeline`
-            raise ValueError(f"num_layers={config_layers} is not divisible by the pipeline size {p}, over which "
-                             "the layers are placed; choose a pipeline size that divides it.")
-        raise ValueError(
-            f"num_layers={config_layers} cannot be split into {p} stages x {schedule.num_chunks} chunks "
-            f"= {G} virtual stages of equal depth; use pipeline size in {ok_p} for this model, "
-            f"or num_layers in {ok_layers}... for this mesh, or layers_per_stage='auto' (a balanced split)."
-        )
-    if batch_size is not None:
-        d = math.prod(mesh.shape.get(a, 1) for a in ROW_AXES)
-        m = schedule.num_microbatches
-        if batch_size % (d * m):
-            raise ValueError(
-                f"batch size {batch_size} is not divisible by {d} data-parallel devices x {m} "
-                f"microbatches = {d * m}; use a batch that is a multiple of {d * m}, or change m."
-            )
-
-
-# ------------------------------------------------------------------ layouts
-
-
-@dataclass(frozen=True)
-class BatchAxes:
-    """Per dimension of a parameter, the manual row axes (`data`, `fsdp`, `expert`) splitting it.
-
-    A pytree leaf (not a tuple), so trees of them map cleanly next to parameter trees.
-    """
-
-    dims: tuple[tuple[str, ...], ...]
-
-    def spec(self, lead: tuple = ()) -> PartitionSpec:
-        return PartitionSpec(*lead, *(None if not e else e[0] if len(e) == 1 else e for e in self.dims))
-
-
-def _batch_axes(spec: PartitionSpec, ndim: int, drop_lead: bool = False) -> BatchAxes:
-    entries = tuple(spec) + (None,) * (ndim - len(spec))
-    dims = tuple(tuple(a for a in entry_axes(e) if a in ROW_AXES) for e in entries)
-    return BatchAxes(dims[1:] if drop_lead else dims)
-
-
-def to_stages(x: Array, p: int, v: int, layers_per_stage: tuple[int, ...] | None = None) -> Array:
-    """`[L, ...]` layers -> `[p, v, L/(p v), ...]`: device `s` holds chunks `s, s+p, ...`.
-
-    With `layers_per_stage` (a count per virtual stage `c p + s`) each chunk holds
-    `max(layers_per_stage)` slots, its own layers first; the rest repeat layer 0 and
-    are skipped (`stage_slots` says which slots hold a layer).
-    """
-    if layers_per_stage is None:
-        return rearrange(x, "(v p l) ... -> p v l ...", p=p, v=v)
-    index, _ = _slots(layers_per_stage)
-    return rearrange(x[index], "(v p) l ... -> p v l ...", p=p, v=v)
-
-
-def from_stages(x: Array, layers_per_stage: tuple[int, ...] | None = None) -> Array:
-    """The inverse of `to_stages` (padding slots dropped)."""
-    if layers_per_stage is None:
-        return rearrange(x, "p v l ... -> (v p l) ...")
-    _, used = _slots(layers_per_stage)
-    return rearrange(x, "p v l ... -> (v p l) ...")[np.flatnonzero(used.reshape(-1))]
-
-
-def stage_slots(p: int, v: int, layers_per_stage: tuple[int, ...]) -> np.ndarray:
-    """`[p, v, max(layers_per_stage)]` booleans: which slots of `to_stages` hold a layer."""
-    return rearrange(_slots(layers_per_stage)[1], "(v p) l -> p v l", p=p, v=v)
-
-
-def _slots(layers_per_stage: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Per virtual stage and slot: the layer it holds (0 in a padding slot), and whether it holds one."""
-    width = max(max(layers_per_stage), 1)
-    first = np.cumsum((0, *layers_per_stage[:-1]))
-    slot = np.arange(width)
-    used = slot[None, :] < np.asarray(layers_per_stage)[:, None]
-    return np.where(used, first[:, None] + slot[None, :], 0), used
-
-
-def _split_model(model):
-    """(block arrays, other arrays, static parts)."""
-    params, static = eqx.partition(model, eqx.is_array)
-    blocks = params.blocks
-    return blocks, _without_blocks(params), static
-
-
-def _without_blocks(tree):
-    """A model-shaped tree with the `blocks` subtree emptied (all leaves `None`)."""
-    return eqx.tree_at(lambda m: m.blocks, tree, replace_fn=lambda b: jax.tree.map(lambda _: None, b, is_leaf=is_spec))
-
-
-def _stage_model(rest, chunk_blocks, static):
-    return eqx.combine(_with_blocks(rest, chunk_blocks), static)
-
-
-def _with_blocks(tree, blocks):
-    """`tree` (a model-shaped tree whose blocks are empty) with `blocks` put in."""
-    return eqx.tree_at(lambda m: m.blocks, tree, blocks, is_leaf=lambda x: x is None)
-
-
-def _batch_fields(batch: Any) -> dict[str, Array]:
-    """The batch's arrays as `{tokens, targets[, loss_mask, segment_ids]}`, each `[batch, seq]`."""
-    if not isinstance(batch, Batch):
-        raise ValueError(f"a pipeline batch is an eqgpt.data.Batch; got {type(batch).__name__} "
-                         "(Batch.from_windows splits [batch, seq + 1] token windows).")
-    if batch.positions is not None:
-        raise ValueError("Batch.positions (per-row positions of packed documents) are not supported by the "
-                         "pipeline yet; use one device, the automatic path or context parallelism.")
-    fields = {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
-              "segment_ids": batch.segment_ids}
-    return {k: v for k, v in fields.items() if v is not None}
-
-
-# ------------------------------------------------------------------ the program
-
-
-def _gather_params(tree, axes_tree, lead: int = 0):
-    """All-gather every leaf over the data/fsdp axes its spec shards it over (once per step).
-
-    `lead` leading dimensions (the stage's `[chunks, layers]`) come before those `axes_tree` describes.
-    """
-
-    def one(x, ba: BatchAxes):
-        for dim, axes in enumerate(ba.dims):
-            axes = tuple(a for a in axes if a in BATCH_AXES)  # experts stay split over `expert`
-            if axes:
-                x = all_gather(x, axes, dim=lead + dim)
-        return x
-
-    return jax.tree.map(one, tree, axes_tree)
-
-
-def _reduce_grads(tree, axes_tree, lead: int = 0, sum_axes: tuple[str, ...] = BATCH_AXES,
-                  bucket_bytes: int | None = None):
-    """Sum local gradients over all `sum_axes` devices, keeping FSDP's shards (once per step);
-    the all-reduces packed into buckets of `bucket_bytes` (`None`: one per array)."""
-
-    def scatter(g, ba: BatchAxes):
-        used = set()
-        for dim, axes in enumerate(ba.dims):
-            used.update(axes)  # an expert's gradient lives on its device only
-            axes = tuple(a for a in axes if a in BATCH_AXES)
-            if axes:
-                g = reduce_scatter(g, axes, dim=lead + dim)
-        return g, tuple(a for a in sum_axes if a not in used)
-
-    leaves, treedef = jax.tree.flatten(tree)
-    done = [scatter(g, ba) for g, ba in zip(leaves, treedef.flatten_up_to(axes_tree), strict=True)]
-    return _sum_leaves(treedef, [g for g, _ in done], [ax for _, ax in done], bucket_bytes)
-
-
-def _sum_leaves(treedef, leaves, axes, bucket_bytes):
-    """All-reduce `leaves` over their `axes` (in their dtype, bucketed in fp32 with `bucket_bytes`)."""
-    if bucket_bytes is None:
-        return jax.tree.unflatten(treedef, [all_reduce(g, ax) if ax else g for g, ax in zip(leaves, axes, strict=True)])
-    return jax.tree.unflatten(treedef, bucketed_all_reduce(leaves, axes, bucket_bytes))
 
 
 @dataclass(frozen=True)
@@ -340,7 +147,7 @@ class _StepContext:
     array and each other array; `width` the activation width; `seq_axes` the manual axes that split the
     sequence (`context`, or none); `moe` the model's `MoEConfig` (`moe_layers` MoE layers in all);
     `padded`: skip the layer slots `slots` marks empty (uneven `layers_per_stage`); `bucket_bytes`: the
-    end-of-step gradient all-reduces in buckets (`_reduce_grads`).
+    end-of-step gradient all-reduces in buckets (`reduce_grads`).
     """
 
     mesh: Mesh
@@ -418,8 +225,8 @@ def _step(ctx: _StepContext, lowered, program, blocks, slots, rest, batch, posit
     schedule, m = ctx.schedule, ctx.schedule.num_microbatches
     blocks = jax.tree.map(lambda a: a[0], blocks)  # [v, Lc, ...] on this stage
     slots = slots[0]
-    blocks = ctx.vary(_gather_params(blocks, ctx.block_axes, lead=2))
-    rest = ctx.vary(_gather_params(rest, ctx.rest_axes))
+    blocks = ctx.vary(gather_params(blocks, ctx.block_axes, lead=2))
+    rest = ctx.vary(gather_params(rest, ctx.rest_axes))
     bl, t = batch["tokens"].shape
     mb = bl // m
     micro = ctx.vary({k: rearrange(a, "(m b) ... -> m b ...", m=m) for k, a in batch.items()})
@@ -480,9 +287,9 @@ def _reduce_step(ctx: _StepContext, terms, g_blocks, g_rest, scale):
     token_axes, bucket_bytes = ctx.token_axes, ctx.bucket_bytes
     terms = all_reduce(terms, (PIPELINE, *token_axes))
     rest_leaves, rest_def = jax.tree.flatten(g_rest)
-    g_rest = _sum_leaves(rest_def, rest_leaves, [PIPELINE] * len(rest_leaves), bucket_bytes)
-    g_rest = _reduce_grads(g_rest, ctx.rest_axes, sum_axes=token_axes, bucket_bytes=bucket_bytes)
-    g_blocks = _reduce_grads(g_blocks, ctx.block_axes, lead=2, sum_axes=token_axes, bucket_bytes=bucket_bytes)
+    g_rest = sum_leaves(rest_def, rest_leaves, [PIPELINE] * len(rest_leaves), bucket_bytes)
+    g_rest = reduce_grads(g_rest, ctx.rest_axes, sum_axes=token_axes, bucket_bytes=bucket_bytes)
+    g_blocks = reduce_grads(g_blocks, ctx.block_axes, lead=2, sum_axes=token_axes, bucket_bytes=bucket_bytes)
     g_blocks = jax.tree.map(lambda g: g[None], g_blocks)
     return terms, unscale(g_blocks, scale), unscale(g_rest, scale)
 
@@ -502,7 +309,7 @@ def _padded_layers(ctx: _StepContext, values: _StepValues, rest_p, chunk, x, dat
 
     def slot(h, xs):
         params, on = xs
-        model = _stage_model(rest_p, jax.tree.map(lambda a: a[None], params), ctx.static)
+        model = stage_model(rest_p, jax.tree.map(lambda a: a[None], params), ctx.static)
         shapes = jax.eval_shape(lambda: _layers(ctx, values, model, h, data))
         skip = lambda h: ctx.vary((h, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1])))  # noqa: E731
         return jax.lax.cond(on, lambda h: ctx.vary(_layers(ctx, values, model, h, data)), skip, h)
@@ -515,7 +322,7 @@ def _run(ctx: _StepContext, values: _StepValues, chunk, rest_p, x, data, first, 
     """One virtual stage: (input, or tokens if `first`) -> (output, (loss terms if `last`, MoE stats))."""
     policy = ctx.policy
     rest_p, chunk = policy.cast_to_compute(rest_p), policy.cast_to_compute(chunk)
-    model = _stage_model(rest_p, chunk, ctx.static)
+    model = stage_model(rest_p, chunk, ctx.static)
     x = jax.lax.cond(first, lambda: model.embed(data["tokens"], values.positions).astype(policy.compute), lambda: x)
     if ctx.padded:
         h, stats = _padded_layers(ctx, values, rest_p, chunk, x, data, used)
@@ -724,7 +531,7 @@ class PipelineGradFn:
         mesh, schedule, ctx = self.mesh, self.schedule, self.context
         p, v = schedule.num_stages, schedule.num_chunks
         check_language_model(model)
-        fields = _batch_fields(batch)
+        fields = batch_fields(batch)
         b, t = fields["tokens"].shape
         L, G = num_layers(model), schedule.num_virtual_stages
         check_pipeline(L, mesh, schedule, b, context=ctx, layers_per_stage=self.layers_per_stage)
@@ -740,13 +547,13 @@ class PipelineGradFn:
         # Inside the pipeline the activation hooks are identity (see the module docstring).
         model = map_constraints(model, lambda _path, _hook: NoConstraint())
         width = jax.eval_shape(model.embed, fields["tokens"][:1], positions).shape[-1]
-        blocks, rest, static = _split_model(model)
+        blocks, rest, static = split_model(model)
         if self.rules is None:
             specs = jax.tree.map(lambda a: PartitionSpec(), eqx.filter(model, eqx.is_array))
         else:
             specs = param_specs(eqx.filter(model, eqx.is_array), self.rules, mesh=mesh)
-        block_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
-        rest_axes = jax.tree.map(lambda a, sp: _batch_axes(sp, a.ndim), rest, _without_blocks(specs))
+        block_axes = jax.tree.map(lambda a, sp: batch_axes(sp, a.ndim, drop_lead=True), blocks, specs.blocks)
+        rest_axes = jax.tree.map(lambda a, sp: batch_axes(sp, a.ndim), rest, without_blocks(specs))
         moe, moe_layers = model.moe, model.num_moe_layers  # the MoE accessors of `eqgpt.nn.LanguageModel`
         step = _make_step(_StepContext(
             mesh, schedule, static, block_axes, rest_axes, width, self.policy, self.chunk_size, self.z_loss,
@@ -756,7 +563,7 @@ class PipelineGradFn:
         slots = jnp.asarray(stage_slots(p, v, counts))
         staged = jax.tree.map(lambda a: to_stages(a, p, v, stage_counts), blocks)
         (terms, stats), g_blocks, g_rest = step(staged, slots, rest, fields, positions, scale_value(loss_scale))
-        grads = _with_blocks(g_rest, jax.tree.map(lambda g: from_stages(g, stage_counts), g_blocks))
+        grads = with_blocks(g_rest, jax.tree.map(lambda g: from_stages(g, stage_counts), g_blocks))
         leaves = [g.astype(dt) for g, dt in zip(jax.tree.leaves(grads), param_dtypes, strict=True)]
         aux = {"nll": terms[1], "z_loss": terms[2]}
         if moe is not None:
@@ -765,13 +572,4 @@ class PipelineGradFn:
         return (terms[0], aux), jax.tree.unflatten(layout, leaves)
 
 
-def bubble_report(schedule: Schedule) -> str:
-    """One line: measured bubble of the table, the analytic formula, and the peak stage inputs held."""
-    return (f"{schedule.name}: p={schedule.num_stages} m={schedule.num_microbatches} v={schedule.num_chunks} "
-            f"bubble {schedule.bubble:.3f} (idle {schedule.idle_ticks} of "
-            f"{schedule.num_ticks * schedule.num_stages} stage-ticks; formula {schedule.expected_bubble:.3f}); "
-            f"at most {schedule.peak_in_flight} stage inputs in flight")
-
-
-__all__ = ["pipeline_grad_fn", "PipelineGradFn", "check_pipeline", "bubble_report", "PP", "to_stages", "from_stages",
-           "stage_slots"]
+__all__ = ["pipeline_grad_fn", "PipelineGradFn"]

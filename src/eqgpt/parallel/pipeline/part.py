@@ -17,14 +17,9 @@ from jaxtyping import PyTree
 from eqgpt.nn.protocol import num_layers
 from eqgpt.parallel.buckets import bucket_bytes_of
 from eqgpt.parallel.part import GradFn, Part
-from eqgpt.parallel.pipeline.executor import (
-    PP,
-    ROW_AXES,
-    bubble_report,
-    check_pipeline,
-    pipeline_grad_fn,
-)
-from eqgpt.parallel.pipeline.schedules import Schedule, make_pipeline_schedule
+from eqgpt.parallel.pipeline.executor import pipeline_grad_fn
+from eqgpt.parallel.pipeline.schedules import Schedule, bubble_report, make_pipeline_schedule
+from eqgpt.parallel.pipeline.stages import PP, ROW_AXES, check_pipeline
 from eqgpt.parallel.rules import Rules
 from eqgpt.precision import Policy
 

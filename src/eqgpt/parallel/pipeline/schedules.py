@@ -372,3 +372,11 @@ def make_pipeline_schedule(name: str, num_stages: int, num_microbatches: int, nu
     if name == "zb1":
         return zero_bubble_h1(num_stages, num_microbatches)
     raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}.")
+
+
+def bubble_report(schedule: Schedule) -> str:
+    """One line: measured bubble of the table, the analytic formula, and the peak stage inputs held."""
+    return (f"{schedule.name}: p={schedule.num_stages} m={schedule.num_microbatches} v={schedule.num_chunks} "
+            f"bubble {schedule.bubble:.3f} (idle {schedule.idle_ticks} of "
+            f"{schedule.num_ticks * schedule.num_stages} stage-ticks; formula {schedule.expected_bubble:.3f}); "
+            f"at most {schedule.peak_in_flight} stage inputs in flight")
