@@ -11,7 +11,7 @@
 #   gpt2-small-warm  the same again, the cache as the cold run left it
 #   sample-shared    eqgpt-sample --prompt "def " on that run, the cache as its training left it
 #   sample-cold      the same with an empty cache
-#   llama-1b-cold    llama-1b, 20 steps, the flags of docs/profiling.md ("llama-1b on one chip")
+#   llama-1b-cold    llama-1b, 20 steps, the flags of docs/profiling_results.md ("llama-1b on one chip")
 #   moe-cold         gpt2-small-moe --batch-size 16 --steps 40
 # Each case appends a row to ROOT/results.tsv (ROOT: --root, default /tmp/eqgpt-start) and keeps its log
 # in ROOT/logs; the table is printed from results.tsv, so runs split over several calls add up.

@@ -4,7 +4,7 @@ Rows: bf16; `--precision int8` with the straight-through backward (`qat`); int8 
 gradient matmuls too (`qt`). Each runs `accelerator_mfu.measure` (AdamW, fp32 parameters,
 random tokens, median of `--steps` timed steps after `--warmup`). MFU counts the model's
 bf16-equivalent FLOPs (6 per weight per token plus causal attention) against the chip's bf16
-dense peak, as every MFU in `docs/profiling.md` does, so int8 can exceed what bf16 reaches.
+dense peak, as every MFU in `docs/profiling_results.md` does, so int8 can exceed what bf16 reaches.
 
     python benchmarks/int8_mfu.py --preset gpt2-small --batch 16
 

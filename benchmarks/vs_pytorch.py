@@ -187,7 +187,7 @@ def measure(which: str, size: str, args, cache_dir: str) -> tuple[float, float]:
             "--cache-dir", cache_dir] + (["--sdpa"] if args.sdpa else [])
            + (["--scan-layers"] if args.scan_layers else []))
     env = dict(os.environ)
-    if args.glibc_tunables:  # the same allocator settings for both frameworks (docs/profiling.md, "Page faults")
+    if args.glibc_tunables:  # the allocator settings for both frameworks (docs/profiling_results.md, "Page faults")
         env["GLIBC_TUNABLES"] = GLIBC_MALLOC_TUNABLES
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode:

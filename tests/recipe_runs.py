@@ -17,8 +17,8 @@ from eqgpt.parallel.flags import tyro_registry
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # Layers scanned (`--model.scan-layers`), not unrolled as the recipe's default is for so shallow a model: the
-# suite's runs are compile-bound, and a run with its layers scanned takes 12-42% less time (docs/testing.md);
-# the unrolled stack is proven equal to the scan in test_nn.
+# suite's runs are compile-bound, and a run with its layers scanned takes 12-42% less time
+# (docs/measured/suite_times.md); the unrolled stack is proven equal to the scan in test_nn.
 TINY = ["--model.num-layers", "2", "--model.num-heads", "2", "--model.embed-dim", "32", "--model.seq-len", "32",
         "--model.scan-layers",
         "--batch-size", "8", "--log-every", "1", "--eval-windows", "4", "--eval-every", "5", "--sample-tokens", "0",

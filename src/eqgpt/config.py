@@ -229,7 +229,7 @@ def preset(name: str, **overrides) -> GPTConfig:
 
 # Layers unrolled by default up to these depths (the recipe, the benchmarks); deeper stacks scan, as an
 # unrolled stack's compile time grows with depth. Unrolled steps are faster: 9-14% on CPU at 4 layers;
-# on a TPU v5e gpt2-small took 155.1 ms unrolled and 180.7 ms scanned (docs/profiling.md).
+# on a TPU v5e gpt2-small took 155.1 ms unrolled and 180.7 ms scanned (docs/profiling_results.md).
 UNROLL_MAX_LAYERS = {"cpu": 8, "gpu": 12, "tpu": 12}
 
 

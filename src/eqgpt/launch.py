@@ -46,7 +46,7 @@ ENV_PROCESS_ID = "EQGPT_PROCESS_ID"
 # glibc hands a step's large temporary buffers back to the kernel after every step and
 # faults them in again on the next (~110,000 minor faults a step at 8 x 256 tokens);
 # these settings keep freed memory in the process, from one heap, in huge pages, and
-# cut system time ~30x (docs/profiling.md). glibc reads them only at start-up, and
+# cut system time ~30x (docs/profiling_results.md). glibc reads them only at start-up, and
 # eqgpt never sets them behind a process's back: scripts opt in with
 # `restart_with_malloc_tunables()`.
 GLIBC_MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184:"

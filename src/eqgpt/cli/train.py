@@ -571,7 +571,7 @@ def parse_flags(args: list[str] | None = None) -> TrainConfig:
 def run(args: list[str] | None = None) -> None:
     """The console script `eqgpt-train`: flags -> `main`; a user error is one line and exit status
     `USER_ERROR_EXIT_CODE` (1), as in `eqgpt-sample` and `python -m eqgpt.interop`."""
-    restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling.md)
+    restart_with_malloc_tunables()  # keep step buffers mapped: ~30x less system time (docs/profiling_results.md)
     try:
         with StopSignal(immediate=True):  # SIGTERM/Ctrl-C before training: leave at once (a trainer takes over)
             summary = exit_on_user_error(lambda: main(parse_flags(args)), args=args)

@@ -21,7 +21,7 @@ def matmul_2d(x: Float[Array, "*batch k"], w: Float[Array, "k n"],
     The same numbers as `jnp.matmul`, but XLA:CPU runs the backward pass of a
     2-D `[rows, k] @ [k, n]` far faster than that of a dot with several batch
     dimensions (about 1.7x for a `[8, 256, 256] @ [256, 1024]` layer; see
-    `docs/profiling.md`). On GPU/TPU the reshape is free. A reshape that merges
+    `docs/profiling_results.md`). On GPU/TPU the reshape is free. A reshape that merges
     sharded dimensions is still a local view under the automatic path, since
     only the last (contracted) dimension stays apart.
     """

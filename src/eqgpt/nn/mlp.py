@@ -20,7 +20,7 @@ def gelu_tanh(x: Array) -> Array:
 
     The same values as `jax.nn.gelu(x, approximate=True)`; autodiff of that keeps
     several `[batch, seq, mlp]` intermediates for the backward pass, this keeps
-    one (10-15% of a small model's CPU step; see `docs/profiling.md`).
+    one (10-15% of a small model's CPU step; see `docs/profiling_results.md`).
     """
     return jax.nn.gelu(x, approximate=True)
 

@@ -123,7 +123,7 @@ def make_train_step(
         (loss, aux), grads = accumulate(scaled, model_in, batch, accum_steps)
         # The global norm is finite exactly when every gradient is (or their squares overflow fp32,
         # a norm above 1e19): the reduction the metric needs serves the guard too, instead of a
-        # finiteness pass over every leaf (8% fewer kernels in a small step; docs/testing.md).
+        # finiteness pass over every leaf (8% fewer kernels in a small step; docs/measured/suite_times.md).
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params = eqx.filter(model_in, eqx.is_array)

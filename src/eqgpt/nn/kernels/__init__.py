@@ -33,7 +33,7 @@ Kernel = Callable[..., object]
 # The built-in kernels: name -> module defining `<name>_attention`, imported on first use.
 _BUILTIN = ("auto", "reference", "blockwise", "splash", "flash", "cudnn")
 # On CPU, `auto` runs `blockwise` from this many keys on: measured forward + backward
-# (`benchmarks/attention_speed.py --cpu`, docs/profiling.md).
+# (`benchmarks/attention_speed.py --cpu`, docs/profiling_results.md).
 CPU_BLOCKWISE_FROM = 512
 # On TPU, `auto` runs `flash` at these sequence lengths, where a v5e measured it faster than
 # `splash` (`benchmarks/attention_speed.py`, docs/measured/attention_flash.txt and

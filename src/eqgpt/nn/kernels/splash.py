@@ -47,7 +47,7 @@ class Blocks(NamedTuple):
 
 
 # (seq_len, head_dim, dtype) -> Blocks; the largest entry with seq_len <= the sequence applies.
-# Measured on one TPU v5e (docs/profiling.md, `benchmarks/attention_speed.py --sweep`):
+# Measured on one TPU v5e (docs/profiling_results.md, `benchmarks/attention_speed.py --sweep`):
 # forward + backward, causal, 16k tokens, 12 heads (ms), square blocks 256/512/1024 at T=1024:
 # 7.86 / 5.17 / 4.89; T=2048: 12.51 / 6.92 / 6.64; T=4096: 21.97 / 10.85 / 9.68; T=8192: 40.57 /
 # 18.57 / 15.47 (two backward kernels). The fused backward kernel computes the scores once for dq, dk
