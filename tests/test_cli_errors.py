@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import tyro
 
+from eqgpt.cli import USER_ERROR_EXIT_CODE
 from eqgpt.parallel.flags import tyro_registry
-from recipe_runs import RECIPES, load_recipe
+from recipe_runs import RECIPES, console_script, load_recipe
 
 BAD_TRAIN_FLAGS = [
     (["--optim.lr", "-1"], "--optim.lr"),
@@ -37,11 +38,20 @@ def test_numeric_train_flags_are_refused_naming_the_flag(args, flag):
     assert "\n" not in str(e.value) and "_" not in str(e.value).split(",")[0].split(" must")[0]
 
 
+def refused(code: int, err: str, what) -> str:
+    """A refusal as every command gives one: exit status `USER_ERROR_EXIT_CODE` and one line
+    `error: ...`, no traceback; **returns** that line (`what` names the case in a failure)."""
+    err = err.strip()
+    assert code == USER_ERROR_EXIT_CODE, (what, err[-2000:])
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, (what, err[-2000:])
+    return err
+
+
 def one_line_error(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300, cwd=cwd)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
-    return proc.stderr.strip()
+    """The one line a command (`[program, *args]`, a Python script when it ends in .py) refuses with."""
+    cmd = [sys.executable, *cmd] if cmd[0].endswith(".py") else cmd
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return refused(proc.returncode, proc.stderr, cmd[1:])
 
 
 def test_train_errors_are_one_line_with_exit_1(tmp_path):
@@ -108,8 +118,6 @@ def test_refused_runs_leave_no_directory(tmp_path):
     shell variable) and a binary single file as a text corpus: one line each, exit 1, nothing created."""
     import numpy as np
 
-    from recipe_runs import console_script
-
     np.random.default_rng(0).integers(0, 200, 5000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
     (tmp_path / "noise.txt").write_bytes(bytes(range(256)) * 64)  # a NUL in its first 8 KiB
     cases = [(["--data.corpus", "tokens.bin", "--data.mode", "packed", "--out-dir", "runs/p"], "--data.mode packed"),
@@ -117,11 +125,9 @@ def test_refused_runs_leave_no_directory(tmp_path):
              (["--data.corpus", "noise.txt"], "is binary")]
     before = sorted(p.name for p in tmp_path.iterdir())
     for args, words in cases:
-        proc = subprocess.run([*console_script("eqgpt-train"), "--model.seq-len", "16", "--no-compile-cache",
-                               "--data.cache-dir", str(tmp_path / "cache"), *args],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        err = proc.stderr.strip()
-        assert proc.returncode == 1 and len(err.splitlines()) == 1 and words in err, (args, proc.stderr[-2000:])
+        err = one_line_error([*console_script("eqgpt-train"), "--model.seq-len", "16", "--no-compile-cache",
+                              "--data.cache-dir", str(tmp_path / "cache"), *args], tmp_path)
+        assert words in err, (args, err)
         assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == before, args
 
 
@@ -323,14 +329,11 @@ def listing(root: Path) -> list[str]:
 
 
 def refused_in_one_line(run, args, root, capsys) -> str:
-    from eqgpt.cli import USER_ERROR_EXIT_CODE
-
+    """`run(args)` in this process: `refused`, and nothing written under `root`."""
     before = listing(root)
     with pytest.raises(SystemExit) as e:
         run(args)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == USER_ERROR_EXIT_CODE, (args, err)
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, (args, err)
+    err = refused(e.value.code, capsys.readouterr().err, args)
     assert listing(root) == before, args  # no file, no directory
     return err
 

@@ -67,6 +67,20 @@ def test_norms_with_an_eps_that_matters():
     assert_within(rel_err(nn.RMSNorm(8, eps=eps)(jnp.asarray(x)), rms), TOL, "RMSNorm")
 
 
+def stepped(clip, grads):
+    """Minus the update one `make_train_step` applies with `chain(clip, sgd(1))` to zero parameters
+    whose gradients are `grads`: the clipped gradients, as the trainer's optimizer stage makes them."""
+    from eqgpt.data.batch import Batch
+    from eqgpt.train import TrainState, make_train_step
+
+    params = jax.tree.map(jnp.zeros_like, grads)
+    optimizer = optax.chain(clip, optax.sgd(1.0))
+    step = make_train_step(optimizer, grad_fn=lambda model, batch: ((jnp.float32(0), {}), grads), donate=False)
+    state, _ = step(TrainState(params, optimizer.init(params), rng=jax.random.key(0)),
+                    Batch.from_windows(np.zeros((1, 2), np.int32)))
+    return jax.tree.map(jnp.negative, state.model)
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 100.0], ids=["clips", "passes"])
 def test_clip_by_global_norm(max_norm):
     keys = jax.random.split(jax.random.key(2), 3)
@@ -75,30 +89,20 @@ def test_clip_by_global_norm(max_norm):
     leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
     norm = np.sqrt(sum(np.sum(g**2) for g in leaves))
     want = [g * min(1.0, max_norm / norm) for g in leaves]
-    from eqgpt.data.batch import Batch
-    from eqgpt.train import TrainState, make_train_step
-
-    params = jax.tree.map(jnp.zeros_like, grads)  # SGD at rate 1 from zero: the new parameters are -clipped
-    optimizer = optax.chain(clip_by_global_norm(max_norm), optax.sgd(1.0))
-    step = make_train_step(optimizer, grad_fn=lambda model, batch: ((jnp.float32(0), {}), grads), donate=False)
-    state = TrainState(params, optimizer.init(params), rng=jax.random.key(0))
-    state, _ = step(state, Batch.from_windows(np.zeros((1, 2), np.int32)))
-    got = jax.tree.map(jnp.negative, state.model)
-    for g, w in zip(jax.tree.leaves(got), want, strict=True):
+    for g, w in zip(jax.tree.leaves(stepped(clip_by_global_norm(max_norm), grads)), want, strict=True):
         assert_within(rel_err(g, w), TOL, "clipped gradient")
 
 
 @pytest.mark.parametrize("max_norm", [37.0, 10.0, 100.0], ids=["at-the-norm", "clips", "passes"])
 def test_clip_scales_as_optax_does_and_reads_the_norm_it_is_given(max_norm):
-    """Bitwise optax's scaling (the docstring's promise), also where the norm equals `max_norm`
-    exactly (|(12, 35)| = 37: optax scales by 37/37, which rounds 12 to 11.999999); and the norm
-    comes from `norm_fn` when one is given (ZeRO's block norm)."""
+    """Through the training step, bitwise optax's scaling (the docstring's promise), also where the
+    norm equals `max_norm` exactly (|(12, 35)| = 37: optax scales by 37/37, which rounds 12 to
+    11.999999). The transformation alone, for what a one-device step cannot show: the norm comes
+    from `norm_fn` when one is given (ZeRO's block norm; its training parity is test_gradient_parity's),
+    the state is optax's, and gradients keep their dtype."""
     grads = {"a": jnp.asarray([12.0, 35.0]), "b": jnp.zeros((2,))}
-    ours = clip_by_global_norm(max_norm)
-    got, _ = ours.update(grads, ours.init(grads))
-    theirs = optax.clip_by_global_norm(max_norm)
-    want, _ = theirs.update(grads, theirs.init(grads))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    ours, theirs = clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+    for g, w in zip(jax.tree.leaves(stepped(ours, grads)), jax.tree.leaves(stepped(theirs, grads)), strict=True):
         np.testing.assert_array_equal(g, w)
     halved, _ = ours.update(grads, ours.init(grads), norm_fn=lambda tree: jnp.float32(2 * max_norm))
     np.testing.assert_allclose(halved["a"], [6.0, 17.5], rtol=1e-6)

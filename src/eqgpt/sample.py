@@ -59,6 +59,15 @@ def sample_logits(
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _settings(model: GPT, prompt_lens: Sequence[int], max_new_tokens: int, temperature: float, top_k: int | None,
+              top_p: float | None, stop_tokens: Sequence[int]) -> tuple:
+    """Every prompt length and setting checked (`_check`); **returns** the sampling settings as the
+    compiled programs take them: `(temperature, top_k, top_p, stop_tokens)`, floats and a tuple of ints."""
+    for prompt_len in prompt_lens:
+        _check(model, int(prompt_len), max_new_tokens, temperature, top_k, top_p)
+    return float(temperature), top_k, None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens)
+
+
 def _check(model: GPT, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int | None,
            top_p: float | None):
     if prompt_len < 1:
@@ -162,10 +171,9 @@ def generate(
     **Returns:** `[batch, prompt_len + max_new_tokens]`: the prompt and its continuation.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
-    _check(model, prompt.shape[1], max_new_tokens, temperature, top_k, top_p)
+    settings = _settings(model, [prompt.shape[1]], max_new_tokens, temperature, top_k, top_p, stop_tokens)
     model, prompt = _place(strategy, model, prompt)
-    return _generate(model, prompt, key, max_new_tokens, float(temperature), top_k,
-                     None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
+    return _generate(model, prompt, key, max_new_tokens, *settings)
 
 
 def on_one_device(model: GPT) -> GPT:
@@ -282,8 +290,7 @@ def generate_many(
 
 def _rows_args(model, prompts, max_new_tokens, key, temperature, top_k, top_p, stop_tokens, strategy):
     """The placed model and the rest of `_generate_rows`'s arguments for these prompts."""
-    for ids in prompts:
-        _check(model, len(ids), max_new_tokens, temperature, top_k, top_p)
+    settings = _settings(model, [len(ids) for ids in prompts], max_new_tokens, temperature, top_k, top_p, stop_tokens)
     multiple = 1 if strategy is None or strategy.mesh is None else strategy.rows_divisor
     rows = rows_bucket(len(prompts), multiple)
     tokens = np.full((rows, model.config.seq_len), stop_tokens[0] if stop_tokens else 0, np.int32)
@@ -299,9 +306,7 @@ def _rows_args(model, prompts, max_new_tokens, key, temperature, top_k, top_p, s
         device = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(params)[0].devices())))
         params, arrays = jax.device_put((params, arrays), device)
         model = eqx.combine(params, static)
-    return model, (*arrays,
-                   prefill_bucket(min(len(p) for p in prompts)), float(temperature), top_k,
-                   None if top_p is None else float(top_p), tuple(int(t) for t in stop_tokens))
+    return model, (*arrays, prefill_bucket(min(len(p) for p in prompts)), *settings)
 
 
 def _stops(tokenizer, stop: Sequence[str | int]) -> tuple[list[str], tuple[int, ...]]:
@@ -314,6 +319,11 @@ def _stops(tokenizer, stop: Sequence[str | int]) -> tuple[list[str], tuple[int, 
     return strings, tuple(dict.fromkeys(tokens))
 
 
+def _encode(tokenizer, prompts: Sequence[str]) -> list[np.ndarray]:
+    """Each prompt's token ids (int32)."""
+    return [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
+
+
 def lower_texts(model: GPT, tokenizer, prompts: Sequence[str], max_new_tokens: int, *, key: PRNGKeyArray,
                 temperature: float = 0.8, top_k: int | None = 40, top_p: float | None = None,
                 stop: Sequence[str | int] = ()):
@@ -321,7 +331,7 @@ def lower_texts(model: GPT, tokenizer, prompts: Sequence[str], max_new_tokens: i
     `generate_texts(..., compiled=)` with any model of the same shapes, any `key` and any
     `max_new_tokens`; the same settings, rows and prompt buckets). The recipe compiles it
     while it trains."""
-    ids = [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
+    ids = _encode(tokenizer, prompts)
     model, args = _rows_args(model, ids, max_new_tokens, key, temperature, top_k, top_p, _stops(tokenizer, stop)[1],
                              None)
     return _generate_rows.lower(model, *args)
@@ -348,7 +358,7 @@ def generate_texts(
     tokenizer's end-of-text token, if it has one); the text is cut before the first
     stop string that follows the prompt (strings that are one token also end decoding early).
     """
-    ids = [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
+    ids = _encode(tokenizer, prompts)
     strings, tokens = _stops(tokenizer, stop)
     rows = generate_many(model, ids, max_new_tokens, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
                          stop_tokens=tokens, strategy=strategy, compiled=compiled)
