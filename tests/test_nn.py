@@ -131,6 +131,8 @@ def test_unrolled_layers_equal_the_scan_and_leave_no_loop():
                        if " while(" in x and "scatter" not in x]
     assert not loops(unrolled)
     assert loops(nn.GPT(TINY_LLAMA, key=jax.random.key(0)))
+    scanned = unrolled.scanned()  # validation's and sampling's model: the same arrays, in a loop
+    assert scanned.config.scan_layers and scanned.blocks is unrolled.blocks and loops(scanned)
     # Two layers per scan iteration (scan_unroll=2): the same loss and gradients.
     l_two, g_two = step(nn.GPT(TINY_LLAMA.replace(scan_unroll=2), key=jax.random.key(0)))
     np.testing.assert_allclose(l_two, l_scan, rtol=1e-6)
@@ -258,8 +260,8 @@ def test_norms_match_their_formulas():
 
 
 @pytest.mark.parametrize("cfg", [TINY, TINY_LLAMA, TINY_LLAMA.replace(mask="sliding", window=3),
-                                 TINY.replace(attention_kernel="blockwise")],
-                         ids=["gpt2", "llama", "llama-window3", "gpt2-blockwise-prefill"])
+                                 TINY.replace(attention_kernel="blockwise", scan_layers=False)],
+                         ids=["gpt2", "llama", "llama-window3", "gpt2-blockwise-prefill-unrolled"])
 def test_kv_cache_decode_equals_full_forward(cfg):
     """Prefill 7 tokens, then decode 5 one by one: the logits of the whole forward. The window
     (3 keys) is shorter than the cache, so decoding must drop keys the cache still holds."""

@@ -7,6 +7,7 @@ The layers are one `Block` whose arrays carry a leading `layers` axis, built wit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -126,6 +127,17 @@ class GPT(LanguageModel):
     def seq_len(self) -> int:
         """The longest sequence the model takes (its positions)."""
         return self.config.seq_len
+
+    def scanned(self) -> GPT:
+        """This model with `scan_layers` on (`scan_unroll` 1): one layer compiled, however deep; the
+        arrays are the same objects. Validation and sampling in the recipe run it."""
+        if self.config.scan_layers and self.config.scan_unroll == 1:
+            return self
+        new = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(new, f.name, value.replace(scan_layers=True, scan_unroll=1) if f.name == "config" else value)
+        return new
 
     def logical_sizes(self) -> dict[str, int]:
         """The size of each logical axis of the model's arrays, and `seq_len` (`GPTConfig.logical_sizes`)."""
@@ -311,9 +323,11 @@ class GPT(LanguageModel):
             params, layer_cache = inputs
             return eqx.combine(params, static).decode(h, layer_cache, index)
 
-        # Unrolled, so each layer reads its cache in place; the new rows are written once,
-        # in place, after the stack (a scan's per-layer cache outputs would copy it all).
-        x, rows = jax.lax.scan(layer, x, (dynamic, None if fresh else cache), unroll=True)
+        # The layers emit only their new rows, written once, in place, after the stack (a scan's
+        # per-layer cache outputs would copy it all). Unrolled (`scan_layers=False`), each layer also
+        # reads its cache in place; scanned, the program compiles one layer.
+        unroll = self.config.scan_unroll if self.config.scan_layers else True
+        x, rows = jax.lax.scan(layer, x, (dynamic, None if fresh else cache), unroll=unroll)
         write = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), index, axis=a.ndim - 3)  # noqa: E731
         cache = jax.tree.map(write, cache, rows)
         if n > 1:

@@ -21,7 +21,7 @@ that is not a `LanguageModel` naming what it lacks:
 The rest have defaults a model overrides where it has more to say: `seq_len`
 (`None`: no limit), `moe` and `num_moe_layers` (`None`, `0`: dense),
 `run_blocks_with_stats` (no MoE statistics), `features_and_stats` and `features`
-(embed, blocks, norm), `head_logits` (`logits`), and `head_matrix` (`None`: the loss takes the chunked head
+(embed, blocks, norm), `scanned` (the model itself), `head_logits` (`logits`), and `head_matrix` (`None`: the loss takes the chunked head
 through `logits`; a matrix of `vocab_size` real rows is fused with the loss).
 
 Nothing else is read: no config, no names of embedding or head modules. The width
@@ -108,6 +108,12 @@ class LanguageModel(eqx.Module):
     def features(self, tokens: Int[Array, "batch seq"], **kwargs) -> Float[Array, "batch seq embed"]:
         """Final-norm hidden states: everything but the head."""
         return self.features_and_stats(tokens, **kwargs)[0]
+
+    def scanned(self) -> "LanguageModel":
+        """This model with its layers run as one loop, for programs that run rarely (validation,
+        sampling), where compile time counts more than step time: the same arrays and function.
+        The default returns the model itself."""
+        return self
 
     def head_logits(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
         """The output head without a layout of its activations (context parallelism's loss

@@ -35,7 +35,8 @@ def sample_inputs(state: TrainState, *, tokenizer: Any, prompts: Sequence[str], 
     n_new = min(max_new, seq_len - max((len(tokenizer.encode(p)) for p in prompts), default=0))
     if n_new < 1 or not prompts:
         return None
-    model = on_one_device(state.model)  # generation's layout, whatever mesh and strategy trained it
+    # Generation's layout, whatever mesh and strategy trained it; scanned: it compiles one layer.
+    model = on_one_device(state.model).scanned()
     rng = jax.device_put(state.rng.addressable_data(0), jax.local_devices()[0])  # replicated: this process's copy
     return (model, tokenizer, prompts, n_new), rng
 
