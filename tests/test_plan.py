@@ -103,3 +103,38 @@ def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
         cli_plan.run(["--slice", "v5e-16", "--mesh", "fsdp=16"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and "\n" not in err and "pip install 'eqgpt[tpu-plan]'" in err
+
+
+def _benchmark(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def test_calibration_takes_the_steady_state_difference_not_the_call(monkeypatch):
+    """A call of N iterations costs a fixed 0.6 ms plus 0.01 ms an iteration: the steady-state time
+    per iteration is 0.01 ms, whatever the fixed cost, and N grows until N iterations take the target."""
+    calibration = _benchmark("plan_calibration")
+    monkeypatch.setattr(calibration, "median_seconds", lambda f, n, *a, repeats: 6e-4 + 1e-5 * int(n))
+    seconds, n = calibration.steady_seconds(None, None, repeats=3, target_s=1e-3)
+    assert seconds == pytest.approx(1e-5) and n * 1e-5 >= 1e-3 > n * 1e-5 / 2
+
+
+@pytest.mark.slow
+def test_calibration_benchmark_writes_a_table_the_planner_loads(tmp_path):
+    from eqgpt.plan.calibration import load
+
+    out = tmp_path / "cpu.json"
+    args = ["--quick", "--repeats", "1", "--target-ms", "1", "--out", str(out)]
+    assert _benchmark("plan_calibration").main(args) == 0
+    table = load(path=out)
+    shapes = {(r["m"], r["k"], r["n"]) for r in table.matmul}
+    assert {(64, 128, 256), (64, 256, 128)} <= shapes and all(r["efficiency"] > 0 for r in table.matmul)
+    assert [r["seq_len"] for r in table.attention] == [128, 256] and table.memory == 1.0 and not table.provisional
+    assert table.matmul_efficiency(64, 128, 256) == next(r["efficiency"] for r in table.matmul if r["m"] == 64)
