@@ -78,7 +78,7 @@ def measure(flags: list[str], *, warmup: int, steps: int, calibration: str | Non
     kernel = kernel_name(model_cfg, policy)
     prediction = predict(compiled, mesh=mesh, slice_=slice_, model_cfg=model_cfg, batch_size=cfg.batch_size,
                          accum_steps=cfg.accum_steps, calibration=load(slice_.chip.name, path=calibration),
-                         pallas_attention=kernel in ("flash", "splash"), compute_bytes=policy.compute.itemsize)
+                         pallas_attention=kernel in ("flash", "splash"))
     for b in batches[:warmup]:
         state, metrics = compiled(state, b)
     jax.block_until_ready((state, metrics))

@@ -138,3 +138,17 @@ def test_calibration_benchmark_writes_a_table_the_planner_loads(tmp_path):
     assert {(64, 128, 256), (64, 256, 128)} <= shapes and all(r["efficiency"] > 0 for r in table.matmul)
     assert [r["seq_len"] for r in table.attention] == [128, 256] and table.memory == 1.0 and not table.provisional
     assert table.matmul_efficiency(64, 128, 256) == next(r["efficiency"] for r in table.matmul if r["m"] == 64)
+
+
+def test_memory_bound_bytes_read_operands_write_results_and_slice_stacked_ones():
+    """`x * 2 + 1` over n floats moves 8n bytes; a scan over L stacked rows (`x <- x * w_i + 1`) reads the
+    row it slices, not the stack, each of its L iterations (3 rows of traffic, plus the carry's copies)."""
+    import jax.numpy as jnp
+
+    from eqgpt.profile import memory_bound_bytes
+
+    n, layers = 1 << 14, 8
+    assert memory_bound_bytes(jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(n)).compile()) == 8 * n
+    scan = jax.jit(lambda ws, x: jax.lax.scan(lambda x, w: (x * w + 1.0, None), x, ws)[0])
+    moved = memory_bound_bytes(scan.lower(jnp.ones((layers, n)), jnp.ones(n)).compile())
+    assert 3 * layers * 4 * n <= moved < 4 * layers * 4 * n

@@ -105,7 +105,6 @@ def record_of(cfg: TrainConfig, slice_, compiled, strategy, model_cfg, policy) -
     prediction = predict(compiled, mesh=strategy.mesh, slice_=slice_, model_cfg=model_cfg, batch_size=cfg.batch_size,
                          accum_steps=cfg.accum_steps, calibration=load(slice_.chip.name),
                          pallas_attention=pallas_attention(model_cfg, policy),
-                         compute_bytes=policy.compute.itemsize,
                          microbatches=pipeline.microbatches if pipeline is not None else 1)
     return plan_record(compiled, prediction, slice_=slice_, mesh=strategy.mesh, describe=strategy.describe(),
                        model=cfg.model.preset, batch_size=cfg.batch_size)

@@ -8,11 +8,10 @@
 - attention in a Pallas kernel (`flash`, `splash`: a custom call the compiler counts no FLOPs
   for): eqgpt's attention FLOPs (`6 T D` per token and layer; 8 with full remat, which runs the
   forward again) at the kernel's efficiency at that length;
-- memory-bound work at the calibrated share of HBM bandwidth: the optimizer update reads and
-  writes the step's arguments (parameters and optimizer state) once and reads the gradients;
-  elementwise layers move `14 D + 3 H` values a token and layer (norms, residuals, RoPE,
-  activation) three times (forward and backward); the loss reads and writes fp32 logits four times.
-  These byte counts are estimates, named as such in every report.
+- memory-bound work at the calibrated share of HBM bandwidth: the bytes the compiled program's
+  other instructions move (elementwise fusions, reductions, copies, the optimizer update; each
+  reads its operands and writes its result once, loops counted per iteration:
+  `eqgpt.profile.memory_bound_bytes`). An estimate of traffic, named as such in every report.
 
 **Collectives** (`eqgpt.profile.schedule`: every collective with its bytes, group, mesh axes,
 executions per step and the compute scheduled under it). Each takes the bytes over the
@@ -39,13 +38,13 @@ import numpy as np
 from eqgpt.config import GPTConfig
 from eqgpt.plan.calibration import Calibration
 from eqgpt.plan.slices import Slice
-from eqgpt.profile import matmul_flops, memory, schedule
+from eqgpt.profile import matmul_flops, memory_bound_bytes, schedule
 from eqgpt.profile.flops import flops_per_token
 
 ASSUMPTIONS = (
     "efficiencies measured on one v5e carry over to other generations by peak FLOP/s and HBM bandwidth",
-    "memory-bound bytes are estimated (optimizer: arguments read and written once; elementwise: 14D + 3H values "
-    "a token and layer, three passes; loss: fp32 logits, four passes)",
+    "memory-bound work moves the bytes of the compiled program's non-matmul instructions, each reading its "
+    "operands and writing its result once (an estimate of traffic)",
     "a collective runs as rings on the torus axes its group spans (2W with wraparound, W without), DCN per chip "
     "across slices; no contention between collectives",
     "an asynchronous collective hides behind the compute scheduled between its start and done, nothing else does",
@@ -139,20 +138,13 @@ def collective_seconds(kind: str, nbytes: float, group: int, link: str, bandwidt
     return nbytes / (bandwidth if link == "DCN" else link_bandwidth)  # collective-permute: one link
 
 
-def _elementwise_bytes(cfg: GPTConfig, tokens: float, tensor: int, compute_bytes: int) -> float:
-    per_token_layer = (14 * cfg.embed_dim + 3 * cfg.hidden_dim / tensor) * compute_bytes * 3
-    loss = 4 * 4 * cfg.padded_vocab_size / tensor
-    return tokens * (cfg.num_layers * per_token_layer + loss)
-
-
 def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, batch_size: int, accum_steps: int,
-            calibration: Calibration, pallas_attention: bool, compute_bytes: int = 2,
-            microbatches: int = 1) -> Prediction:
+            calibration: Calibration, pallas_attention: bool, microbatches: int = 1) -> Prediction:
     """The predicted step of `compiled` (the planner's compile of the trainer's step) on `slice_`.
 
     **Arguments:** the compiled step and its `mesh`; the slice; the model config, global
     `batch_size`, `accum_steps` and pipeline `microbatches`; the `calibration` table;
-    `pallas_attention` (attention runs in a Pallas kernel); `compute_bytes` (2 for bf16).
+    `pallas_attention` (attention runs in a Pallas kernel).
     """
     chip = slice_.chip
     devices = mesh.devices.size
@@ -172,10 +164,7 @@ def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, ba
         attn_flops = tokens * model_cfg.num_layers * per_token / devices
         attn_eff = calibration.attention_efficiency(model_cfg.seq_len // size.get("context", 1))
         t_attention = attn_flops / (peak * attn_eff)
-    mem = memory(compiled)
-    mem_bytes = 2 * mem.device_argument_bytes + _elementwise_bytes(model_cfg, tokens / token_split, tensor,
-                                                                   compute_bytes)
-    t_memory = mem_bytes / (hbm * calibration.memory)
+    t_memory = memory_bound_bytes(compiled) / (hbm * calibration.memory)
     rows = []
     for row in schedule(compiled, mesh=mesh):
         c = row.collective

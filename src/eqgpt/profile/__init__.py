@@ -25,6 +25,7 @@ from eqgpt.profile.schedule import (
     ScheduledCollective,
     ScheduleSummary,
     matmul_flops,
+    memory_bound_bytes,
     schedule,
     schedule_summary,
     schedule_table,
@@ -52,4 +53,5 @@ __all__ = [
     "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary",
     "collective_table", "total_bytes", "Estimate", "estimate", "MemoryReport", "memory", "memory_table", "report",
     "ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table", "matmul_flops",
+    "memory_bound_bytes",
 ]
