@@ -3,8 +3,9 @@
 Three classes of operation, each timed alone at steady state, never a whole model:
 
 - matmuls by shape (the widths of GPT-2 to Llama 3 8B, the rows of a device's tokens): a pair
-  `[m, k] @ [k, n]` then `[m, n] @ [n, k]` (equal FLOPs), each feeding the next, so XLA can
-  neither hoist nor merge them; efficiency = 4mkn / (time x peak), given to both shapes;
+  `[m, k] @ [k, n]` then `[m, n] @ [n, k]` (equal FLOPs), each feeding the next behind an
+  optimization barrier, so XLA can neither hoist, merge nor reassociate them; efficiency =
+  4mkn / (time x peak), given to both shapes;
 - the attention kernel (forward + backward, causal; `flash` on TPU, `blockwise` elsewhere) by
   sequence length at 16k tokens per call, the next call's queries made to depend on this
   call's gradients (one element: no extra pass over memory); efficiency = eqgpt's attention
@@ -79,8 +80,9 @@ def steady_seconds(loop, carry, *args, repeats: int, target_s: float) -> tuple[f
 
 def matmul_rows(rows, pairs, dtype, peak, repeats, target_s) -> list[dict]:
     def body(_, x, w1, w2):
+        barrier = jax.lax.optimization_barrier  # no reassociating the chain into dot(x, dot(w1, w2))
         for _ in range(UNROLL):
-            x = jnp.dot(jnp.dot(x, w1), w2)
+            x = barrier(jnp.dot(barrier(jnp.dot(x, w1)), w2))
         return x
 
     loop = jax.jit(lambda n, x, w1, w2: jax.lax.fori_loop(0, n, lambda i, x: body(i, x, w1, w2), x))
