@@ -51,6 +51,7 @@ def measure(flags: list[str], *, warmup: int, steps: int, calibration: str | Non
     from eqgpt.cli.train import TrainConfig, initial_state, kernel_name, policy_of, strategy_of
     from eqgpt.data.batch import Batch
     from eqgpt.nn import GPT
+    from eqgpt.nn.kernels.grouped import auto_grouped_kernel
     from eqgpt.plan.calibration import load
     from eqgpt.plan.model import predict
     from eqgpt.plan.slices import parse_slice
@@ -78,7 +79,9 @@ def measure(flags: list[str], *, warmup: int, steps: int, calibration: str | Non
     kernel = kernel_name(model_cfg, policy)
     prediction = predict(compiled, mesh=mesh, slice_=slice_, model_cfg=model_cfg, batch_size=cfg.batch_size,
                          accum_steps=cfg.accum_steps, calibration=load(slice_.chip.name, path=calibration),
-                         pallas_attention=kernel in ("flash", "splash"))
+                         pallas_attention=kernel in ("flash", "splash"),
+                         pallas_grouped=model_cfg.moe is not None and model_cfg.moe.dropless
+                         and auto_grouped_kernel() == "megablox")
     for b in batches[:warmup]:
         state, metrics = compiled(state, b)
     jax.block_until_ready((state, metrics))
@@ -97,11 +100,11 @@ def measure(flags: list[str], *, warmup: int, steps: int, calibration: str | Non
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'model':<19} {'kernel':<9} {'batch':>5} {'matmul':>8} {'attn':>7} {'memory':>7} {'comm':>6} "
+    head = (f"{'model':<22} {'kernel':<9} {'batch':>5} {'matmul':>8} {'attn':>7} {'memory':>7} {'comm':>6} "
             f"{'predicted':>10} {'measured':>9} {'error':>7}  (ms per step; compile s)")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['model']:<19} {r['kernel']:<9} {r['batch_size']:>5} {1e3 * r['matmul']:>8.1f} "
+        lines.append(f"{r['model']:<22} {r['kernel']:<9} {r['batch_size']:>5} {1e3 * r['matmul']:>8.1f} "
                      f"{1e3 * r['attention']:>7.1f} {1e3 * r['memory_bound']:>7.1f} {1e3 * r['collectives']:>6.1f} "
                      f"{1e3 * r['predicted']:>10.1f} {1e3 * r['measured']:>9.1f} {100 * r['error']:>+6.1f}%  "
                      f"({r['compile_s']:.0f} s)")

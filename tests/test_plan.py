@@ -152,3 +152,22 @@ def test_memory_bound_bytes_read_operands_write_results_and_slice_stacked_ones()
     scan = jax.jit(lambda ws, x: jax.lax.scan(lambda x, w: (x * w + 1.0, None), x, ws)[0])
     moved = memory_bound_bytes(scan.lower(jnp.ones((layers, n)), jnp.ones(n)).compile())
     assert 3 * layers * 4 * n <= moved < 4 * layers * 4 * n
+
+
+def test_grouped_flops_count_the_routed_experts_of_each_moe_layer():
+    from eqgpt.plan.model import grouped_flops
+
+    cfg = eqgpt.preset("gpt2-small-moe")  # 12 MoE layers, top-2 of experts 1536 wide, GELU MLP (2 matmuls)
+    assert grouped_flops(cfg, 1000) == 6 * 1000 * 12 * 2 * (2 * 768 * 1536)
+    assert grouped_flops(cfg.replace(remat="full"), 1000) == 8 * 1000 * 12 * 2 * (2 * 768 * 1536)
+
+
+def test_attention_efficiency_reads_the_rows_of_the_nearest_head_size():
+    from eqgpt.plan.calibration import from_dict
+
+    rows = [{"seq_len": t, "head_dim": d, "efficiency": e}
+            for t, d, e in ((1024, 64, 0.1), (4096, 64, 0.2), (1024, 128, 0.3), (4096, 128, 0.5))]
+    table = from_dict({"chip": "v5e", "matmul": [], "attention": rows, "memory": {"efficiency": 0.9}})
+    assert table.attention_efficiency(4096, 128) == 0.5 and table.attention_efficiency(4096, 64) == 0.2
+    assert table.attention_efficiency(2048, 96) == pytest.approx(0.4)  # 96 is nearer 128 in ratio; halfway in log T
+    assert table.attention_efficiency(512, 64) == 0.1 and table.attention_efficiency(8192, 64) == 0.2  # clamped

@@ -5,6 +5,9 @@
 - matmuls: the compiled program's matmul FLOPs (`eqgpt.profile.matmul_flops`, loops counted
   per iteration) at the efficiency of the measured matmul nearest the step's typical shape
   (tokens per device x width -> MLP width per tensor shard);
+- a dropless MoE's grouped matmuls in a Pallas kernel (`megablox`, which the compiler counts no
+  FLOPs for either): the routed experts' FLOPs (`6 x top_k x` an expert's matmul weights per
+  token and MoE layer; 8 with full remat), split evenly over the devices, at the matmul efficiency;
 - attention in a Pallas kernel (`flash`, `splash`: a custom call the compiler counts no FLOPs
   for): eqgpt's attention FLOPs (`6 T D` per token and layer; 8 with full remat, which runs the
   forward again) at the kernel's efficiency at that length;
@@ -138,13 +141,24 @@ def collective_seconds(kind: str, nbytes: float, group: int, link: str, bandwidt
     return nbytes / (bandwidth if link == "DCN" else link_bandwidth)  # collective-permute: one link
 
 
+def grouped_flops(cfg: GPTConfig, tokens: int) -> int:
+    """FLOPs of a step's routed-expert matmuls over `tokens` (forward and backward; the forward again
+    with full remat)."""
+    m = cfg.moe
+    per_width = (3 if cfg.mlp == "swiglu" else 2) * cfg.embed_dim
+    weights = per_width * (m.expert_dim or cfg.hidden_dim) * m.top_k * (cfg.num_layers // m.every)
+    return (8 if cfg.remat == "full" else 6) * tokens * weights
+
+
 def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, batch_size: int, accum_steps: int,
-            calibration: Calibration, pallas_attention: bool, microbatches: int = 1) -> Prediction:
+            calibration: Calibration, pallas_attention: bool, pallas_grouped: bool = False,
+            microbatches: int = 1) -> Prediction:
     """The predicted step of `compiled` (the planner's compile of the trainer's step) on `slice_`.
 
     **Arguments:** the compiled step and its `mesh`; the slice; the model config, global
     `batch_size`, `accum_steps` and pipeline `microbatches`; the `calibration` table;
-    `pallas_attention` (attention runs in a Pallas kernel).
+    `pallas_attention` (attention runs in a Pallas kernel); `pallas_grouped` (a dropless MoE's
+    grouped matmuls run in one).
     """
     chip = slice_.chip
     devices = mesh.devices.size
@@ -157,12 +171,14 @@ def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, ba
     m = max(1, tokens // (accum_steps * microbatches * token_split))
     mm_eff = calibration.matmul_efficiency(m, model_cfg.embed_dim, max(1, model_cfg.hidden_dim // tensor))
     flops = matmul_flops(compiled)
+    if pallas_grouped and model_cfg.moe is not None:
+        flops += grouped_flops(model_cfg, tokens) // devices
     t_matmul = flops / (peak * mm_eff)
     t_attention, attn_eff = 0.0, None
     if pallas_attention:
         per_token = (8 if model_cfg.remat == "full" else 6) * model_cfg.seq_len * model_cfg.embed_dim
         attn_flops = tokens * model_cfg.num_layers * per_token / devices
-        attn_eff = calibration.attention_efficiency(model_cfg.seq_len // size.get("context", 1))
+        attn_eff = calibration.attention_efficiency(model_cfg.seq_len // size.get("context", 1), model_cfg.head_dim)
         t_attention = attn_flops / (peak * attn_eff)
     t_memory = memory_bound_bytes(compiled) / (hbm * calibration.memory)
     rows = []
@@ -186,4 +202,4 @@ def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, ba
                       flops, analytic, calibration.provisional)
 
 
-__all__ = ["Prediction", "CollectiveTime", "predict", "collective_seconds", "ASSUMPTIONS"]
+__all__ = ["Prediction", "CollectiveTime", "predict", "grouped_flops", "collective_seconds", "ASSUMPTIONS"]
