@@ -171,3 +171,18 @@ def test_attention_efficiency_reads_the_rows_of_the_nearest_head_size():
     assert table.attention_efficiency(4096, 128) == 0.5 and table.attention_efficiency(4096, 64) == 0.2
     assert table.attention_efficiency(2048, 96) == pytest.approx(0.4)  # 96 is nearer 128 in ratio; halfway in log T
     assert table.attention_efficiency(512, 64) == 0.1 and table.attention_efficiency(8192, 64) == 0.2  # clamped
+
+
+def test_memory_bound_bytes_skip_arrays_the_compiler_keeps_on_chip():
+    """XLA:TPU marks arrays it places in VMEM with `S(1)` in their layout: they move no HBM bytes."""
+    from eqgpt.profile import memory_bound_bytes
+
+    hlo = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[1024]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  %a = f32[1024]{0:S(1)} add(%p0, %p0)
+  ROOT %b = f32[1024]{0} multiply(%a, %a)
+}
+"""
+    assert memory_bound_bytes(hlo) == 2 * 4096 + 4096  # a reads p0 twice; b writes its result

@@ -150,7 +150,11 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 
 
 def _bytes(ins: Instr | None) -> int:
-    return sum(nbytes(a) for a in ins.arrays) if ins is not None else 0
+    """Bytes of an instruction's result in device memory (HBM): arrays placed on chip (VMEM) move none."""
+    if ins is None:
+        return 0
+    spaces = ins.spaces if len(ins.spaces) == len(ins.arrays) else (0,) * len(ins.arrays)
+    return sum(nbytes(a) for a, space in zip(ins.arrays, spaces, strict=True) if space == 0)
 
 
 class _Bytes:
@@ -213,7 +217,8 @@ def memory_bound_bytes(compiled: Any) -> int:
     """HBM bytes per device of one call's memory-bound work: every instruction outside matmuls, Pallas
     kernels and collectives (elementwise fusions, reductions, copies, the optimizer update), each reading
     its operands and writing its result once (a sliced operand: the slice; an in-place update: the update),
-    loop bodies times their trip counts. An estimate of traffic, not of time."""
+    loop bodies times their trip counts; arrays the compiler placed on chip (a TPU's VMEM, `S(1)` in their
+    layout) move none. An estimate of traffic, not of time."""
     module = module_from_text(_text(compiled))
     return _Bytes(module, _Flops(module)).computation(module.entry) if module.entry else 0
 
