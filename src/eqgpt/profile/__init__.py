@@ -50,8 +50,7 @@ def report(compiled: Any, *, mesh: Any = None, by_phase: bool = True, title: str
 
 
 __all__ = [
-    "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary",
+    "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary", "memory_bound_bytes",
     "collective_table", "total_bytes", "Estimate", "estimate", "MemoryReport", "memory", "memory_table", "report",
     "ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table", "matmul_flops",
-    "memory_bound_bytes",
 ]
