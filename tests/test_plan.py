@@ -103,3 +103,86 @@ def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
         cli_plan.run(["--slice", "v5e-16", "--mesh", "fsdp=16"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and "\n" not in err and "pip install 'eqgpt[tpu-plan]'" in err
+
+
+def _benchmark(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def test_calibration_takes_the_steady_state_difference_not_the_call(monkeypatch):
+    """A call of N iterations costs a fixed 0.6 ms plus 0.01 ms an iteration: the steady-state time
+    per iteration is 0.01 ms, whatever the fixed cost, and N grows until N iterations take the target."""
+    calibration = _benchmark("plan_calibration")
+    monkeypatch.setattr(calibration, "median_seconds", lambda f, n, *a, repeats: 6e-4 + 1e-5 * int(n))
+    seconds, n = calibration.steady_seconds(None, None, repeats=3, target_s=1e-3)
+    assert seconds == pytest.approx(1e-5) and n * 1e-5 >= 1e-3 > n * 1e-5 / 2
+
+
+@pytest.mark.slow
+def test_calibration_benchmark_writes_a_table_the_planner_loads(tmp_path):
+    from eqgpt.plan.calibration import load
+
+    out = tmp_path / "cpu.json"
+    args = ["--quick", "--repeats", "1", "--target-ms", "1", "--out", str(out)]
+    assert _benchmark("plan_calibration").main(args) == 0
+    table = load(path=out)
+    shapes = {(r["m"], r["k"], r["n"]) for r in table.matmul}
+    assert {(64, 128, 256), (64, 256, 128)} <= shapes and all(r["efficiency"] > 0 for r in table.matmul)
+    assert [r["seq_len"] for r in table.attention] == [128, 256] and table.memory == 1.0 and not table.provisional
+    assert table.matmul_efficiency(64, 128, 256) == next(r["efficiency"] for r in table.matmul if r["m"] == 64)
+
+
+def test_memory_bound_bytes_read_operands_write_results_and_slice_stacked_ones():
+    """`x * 2 + 1` over n floats moves 8n bytes; a scan over L stacked rows (`x <- x * w_i + 1`) reads the
+    row it slices, not the stack, each of its L iterations (3 rows of traffic, plus the carry's copies)."""
+    import jax.numpy as jnp
+
+    from eqgpt.profile import memory_bound_bytes
+
+    n, layers = 1 << 14, 8
+    assert memory_bound_bytes(jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(n)).compile()) == 8 * n
+    scan = jax.jit(lambda ws, x: jax.lax.scan(lambda x, w: (x * w + 1.0, None), x, ws)[0])
+    moved = memory_bound_bytes(scan.lower(jnp.ones((layers, n)), jnp.ones(n)).compile())
+    assert 3 * layers * 4 * n <= moved < 4 * layers * 4 * n
+
+
+def test_grouped_flops_count_the_routed_experts_of_each_moe_layer():
+    from eqgpt.plan.model import grouped_flops
+
+    cfg = eqgpt.preset("gpt2-small-moe")  # 12 MoE layers, top-2 of experts 1536 wide, GELU MLP (2 matmuls)
+    assert grouped_flops(cfg, 1000) == 6 * 1000 * 12 * 2 * (2 * 768 * 1536)
+    assert grouped_flops(cfg.replace(remat="full"), 1000) == 8 * 1000 * 12 * 2 * (2 * 768 * 1536)
+
+
+def test_attention_efficiency_reads_the_rows_of_the_nearest_head_size():
+    from eqgpt.plan.calibration import from_dict
+
+    rows = [{"seq_len": t, "head_dim": d, "efficiency": e}
+            for t, d, e in ((1024, 64, 0.1), (4096, 64, 0.2), (1024, 128, 0.3), (4096, 128, 0.5))]
+    table = from_dict({"chip": "v5e", "matmul": [], "attention": rows, "memory": {"efficiency": 0.9}})
+    assert table.attention_efficiency(4096, 128) == 0.5 and table.attention_efficiency(4096, 64) == 0.2
+    assert table.attention_efficiency(2048, 96) == pytest.approx(0.4)  # 96 is nearer 128 in ratio; halfway in log T
+    assert table.attention_efficiency(512, 64) == 0.1 and table.attention_efficiency(8192, 64) == 0.2  # clamped
+
+
+def test_memory_bound_bytes_skip_arrays_the_compiler_keeps_on_chip():
+    """XLA:TPU marks arrays it places in VMEM with `S(1)` in their layout: they move no HBM bytes."""
+    from eqgpt.profile import memory_bound_bytes
+
+    hlo = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[1024]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  %a = f32[1024]{0:S(1)} add(%p0, %p0)
+  ROOT %b = f32[1024]{0} multiply(%a, %a)
+}
+"""
+    assert memory_bound_bytes(hlo) == 2 * 4096 + 4096  # a reads p0 twice; b writes its result

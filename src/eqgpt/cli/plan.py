@@ -42,7 +42,7 @@ class PlanConfig(TrainConfig):
     """The TPU slice: v5e-16, v5e-256, v5p-128, v6e-64, v4-32, ...; K slices joined by DCN: 2xv5e-256."""
     json: bool = False
     """Print the report as JSON."""
-    top: int = 4
+    top: int = 3
     """With --mesh auto: how many of the candidates the memory estimate ranks best are compiled."""
 
 
@@ -105,7 +105,6 @@ def record_of(cfg: TrainConfig, slice_, compiled, strategy, model_cfg, policy) -
     prediction = predict(compiled, mesh=strategy.mesh, slice_=slice_, model_cfg=model_cfg, batch_size=cfg.batch_size,
                          accum_steps=cfg.accum_steps, calibration=load(slice_.chip.name),
                          pallas_attention=pallas_attention(model_cfg, policy),
-                         compute_bytes=policy.compute.itemsize,
                          microbatches=pipeline.microbatches if pipeline is not None else 1)
     return plan_record(compiled, prediction, slice_=slice_, mesh=strategy.mesh, describe=strategy.describe(),
                        model=cfg.model.preset, batch_size=cfg.batch_size)
@@ -125,7 +124,7 @@ def plan_main(cfg: TrainConfig) -> dict:
     devices = slice_.devices()
     as_json = getattr(cfg, "json", False)
     if cfg.parallel.mesh.strip() == "auto":
-        result = search(cfg, slice_, devices, top=getattr(cfg, "top", 4), log=(lambda m: None) if as_json else print)
+        result = search(cfg, slice_, devices, top=getattr(cfg, "top", 3), log=(lambda m: None) if as_json else print)
         print(json.dumps(result, indent=1) if as_json else result["text"])
         return {**result, "interrupted": False}
     compiled, strategy, model_cfg, policy = compiled_plan(cfg, slice_, devices)
@@ -148,12 +147,13 @@ def candidate_config(cfg: TrainConfig, c) -> TrainConfig:
 
 def search(cfg: TrainConfig, slice_, devices, *, top: int, log) -> dict:
     """--mesh auto: candidates pruned by the memory estimate, the `top` fastest by a rough time and plain
-    fsdp over every device compiled and predicted; **returns** the ranked records and their table."""
+    fsdp over every device (remat full where the estimate exceeds HBM without it) compiled and predicted;
+    **returns** the ranked records and their table."""
     import jax
 
     from eqgpt.nn import GPT
     from eqgpt.nn.kernels.platform import compiling_for
-    from eqgpt.plan.search import Candidate, mesh_choices, ranked
+    from eqgpt.plan.search import SLACK, Candidate, mesh_choices, ranked
     from eqgpt.profile import estimate
     from eqgpt.train.fit import DoesNotFit
 
@@ -175,12 +175,16 @@ def search(cfg: TrainConfig, slice_, devices, *, top: int, log) -> dict:
 
     choices = mesh_choices(model_cfg, len(devices), cfg.batch_size)
     order = ranked(choices, model_cfg, slice_, cfg.batch_size, estimate_of, hbm)
+    # Plain fsdp over every device: remat none where the estimate allows it (full if that does not fit), else full.
+    plain = [Candidate((("fsdp", len(devices)),), "fsdp", (), remat) for remat in ("none", "full")]
+    need = estimate_of(plain[0])
+    baselines = [plain[0] if need is not None and need <= SLACK * hbm else plain[1]]
     log(f"--mesh auto: {len(choices)} meshes and flag sets, {len(order)} within the memory estimate's slack; "
-        f"compiling the {top} fastest by a rough time that trace, and fsdp={len(devices)} (remat none, full)")
-    baselines = [Candidate((("fsdp", len(devices)),), "fsdp", (), remat) for remat in ("none", "full")]
-    rows, compiled_ok = [], 0
-    for c in [*order, *baselines]:  # refusals are cheap (at trace time): go down the ranking
-        if c not in baselines and (compiled_ok >= top or c.sizes == baselines[0].sizes):
+        f"compiling the {top} fastest by a rough time that trace, and {baselines[0].mesh} "
+        f"(remat {baselines[0].remat})")
+    rows, compiled_ok, queue = [], 0, [*order, *baselines]
+    for c in queue:  # refusals are cheap (at trace time): go down the ranking
+        if c not in baselines and (compiled_ok >= top or c.sizes == plain[0].sizes):
             continue
         sub = candidate_config(cfg, c)
         try:
@@ -188,6 +192,9 @@ def search(cfg: TrainConfig, slice_, devices, *, top: int, log) -> dict:
             rec = record_of(sub, slice_, compiled, strategy, mcfg, pol)
         except DoesNotFit as e:
             rec = {"error": str(e)}
+            if c == plain[0]:
+                baselines.append(plain[1])
+                queue.append(plain[1])
         except (ValueError, TypeError) as e:  # the strategy refuses it, or JAX cannot trace it
             rec = {"error": f"refused: {str(e).splitlines()[0]}"}
         rec["candidate"] = {"mesh": c.mesh, "args": c.args(), "baseline": c in baselines, "estimate": c.estimate}

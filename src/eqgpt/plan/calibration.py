@@ -45,9 +45,14 @@ class Calibration:
 
         return min(self.matmul, key=distance)["efficiency"]
 
-    def attention_efficiency(self, seq_len: int) -> float:
-        """The attention kernel's efficiency at `seq_len`, interpolated in log length (clamped at the ends)."""
-        rows = sorted(self.attention, key=lambda r: r["seq_len"])
+    def attention_efficiency(self, seq_len: int, head_dim: int | None = None) -> float:
+        """The attention kernel's efficiency at `seq_len`, interpolated in log length (clamped at the ends),
+        among the rows of the measured head size nearest `head_dim` (all rows without)."""
+        rows = list(self.attention)
+        if head_dim is not None and all("head_dim" in r for r in rows):
+            nearest = min({r["head_dim"] for r in rows}, key=lambda d: abs(math.log(d / head_dim)))
+            rows = [r for r in rows if r["head_dim"] == nearest]
+        rows = sorted(rows, key=lambda r: r["seq_len"])
         if seq_len <= rows[0]["seq_len"]:
             return rows[0]["efficiency"]
         for lo, hi in zip(rows, rows[1:], strict=False):

@@ -5,14 +5,16 @@
 - matmuls: the compiled program's matmul FLOPs (`eqgpt.profile.matmul_flops`, loops counted
   per iteration) at the efficiency of the measured matmul nearest the step's typical shape
   (tokens per device x width -> MLP width per tensor shard);
+- a dropless MoE's grouped matmuls in a Pallas kernel (`megablox`, which the compiler counts no
+  FLOPs for either): the routed experts' FLOPs (`6 x top_k x` an expert's matmul weights per
+  token and MoE layer; 8 with full remat), split evenly over the devices, at the matmul efficiency;
 - attention in a Pallas kernel (`flash`, `splash`: a custom call the compiler counts no FLOPs
   for): eqgpt's attention FLOPs (`6 T D` per token and layer; 8 with full remat, which runs the
   forward again) at the kernel's efficiency at that length;
-- memory-bound work at the calibrated share of HBM bandwidth: the optimizer update reads and
-  writes the step's arguments (parameters and optimizer state) once and reads the gradients;
-  elementwise layers move `14 D + 3 H` values a token and layer (norms, residuals, RoPE,
-  activation) three times (forward and backward); the loss reads and writes fp32 logits four times.
-  These byte counts are estimates, named as such in every report.
+- memory-bound work at the calibrated share of HBM bandwidth: the bytes the compiled program's
+  other instructions move (elementwise fusions, reductions, copies, the optimizer update; each
+  reads its operands and writes its result once, loops counted per iteration:
+  `eqgpt.profile.memory_bound_bytes`). An estimate of traffic, named as such in every report.
 
 **Collectives** (`eqgpt.profile.schedule`: every collective with its bytes, group, mesh axes,
 executions per step and the compute scheduled under it). Each takes the bytes over the
@@ -39,13 +41,13 @@ import numpy as np
 from eqgpt.config import GPTConfig
 from eqgpt.plan.calibration import Calibration
 from eqgpt.plan.slices import Slice
-from eqgpt.profile import matmul_flops, memory, schedule
+from eqgpt.profile import matmul_flops, memory_bound_bytes, schedule
 from eqgpt.profile.flops import flops_per_token
 
 ASSUMPTIONS = (
     "efficiencies measured on one v5e carry over to other generations by peak FLOP/s and HBM bandwidth",
-    "memory-bound bytes are estimated (optimizer: arguments read and written once; elementwise: 14D + 3H values "
-    "a token and layer, three passes; loss: fp32 logits, four passes)",
+    "memory-bound work moves the bytes of the compiled program's non-matmul instructions, each reading its "
+    "operands and writing its result once (an estimate of traffic)",
     "a collective runs as rings on the torus axes its group spans (2W with wraparound, W without), DCN per chip "
     "across slices; no contention between collectives",
     "an asynchronous collective hides behind the compute scheduled between its start and done, nothing else does",
@@ -139,20 +141,24 @@ def collective_seconds(kind: str, nbytes: float, group: int, link: str, bandwidt
     return nbytes / (bandwidth if link == "DCN" else link_bandwidth)  # collective-permute: one link
 
 
-def _elementwise_bytes(cfg: GPTConfig, tokens: float, tensor: int, compute_bytes: int) -> float:
-    per_token_layer = (14 * cfg.embed_dim + 3 * cfg.hidden_dim / tensor) * compute_bytes * 3
-    loss = 4 * 4 * cfg.padded_vocab_size / tensor
-    return tokens * (cfg.num_layers * per_token_layer + loss)
+def grouped_flops(cfg: GPTConfig, tokens: int) -> int:
+    """FLOPs of a step's routed-expert matmuls over `tokens` (forward and backward; the forward again
+    with full remat)."""
+    m = cfg.moe
+    per_width = (3 if cfg.mlp == "swiglu" else 2) * cfg.embed_dim
+    weights = per_width * (m.expert_dim or cfg.hidden_dim) * m.top_k * (cfg.num_layers // m.every)
+    return (8 if cfg.remat == "full" else 6) * tokens * weights
 
 
 def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, batch_size: int, accum_steps: int,
-            calibration: Calibration, pallas_attention: bool, compute_bytes: int = 2,
+            calibration: Calibration, pallas_attention: bool, pallas_grouped: bool = False,
             microbatches: int = 1) -> Prediction:
     """The predicted step of `compiled` (the planner's compile of the trainer's step) on `slice_`.
 
     **Arguments:** the compiled step and its `mesh`; the slice; the model config, global
     `batch_size`, `accum_steps` and pipeline `microbatches`; the `calibration` table;
-    `pallas_attention` (attention runs in a Pallas kernel); `compute_bytes` (2 for bf16).
+    `pallas_attention` (attention runs in a Pallas kernel); `pallas_grouped` (a dropless MoE's
+    grouped matmuls run in one).
     """
     chip = slice_.chip
     devices = mesh.devices.size
@@ -165,17 +171,16 @@ def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, ba
     m = max(1, tokens // (accum_steps * microbatches * token_split))
     mm_eff = calibration.matmul_efficiency(m, model_cfg.embed_dim, max(1, model_cfg.hidden_dim // tensor))
     flops = matmul_flops(compiled)
+    if pallas_grouped and model_cfg.moe is not None:
+        flops += grouped_flops(model_cfg, tokens) // devices
     t_matmul = flops / (peak * mm_eff)
     t_attention, attn_eff = 0.0, None
     if pallas_attention:
         per_token = (8 if model_cfg.remat == "full" else 6) * model_cfg.seq_len * model_cfg.embed_dim
         attn_flops = tokens * model_cfg.num_layers * per_token / devices
-        attn_eff = calibration.attention_efficiency(model_cfg.seq_len // size.get("context", 1))
+        attn_eff = calibration.attention_efficiency(model_cfg.seq_len // size.get("context", 1), model_cfg.head_dim)
         t_attention = attn_flops / (peak * attn_eff)
-    mem = memory(compiled)
-    mem_bytes = 2 * mem.device_argument_bytes + _elementwise_bytes(model_cfg, tokens / token_split, tensor,
-                                                                   compute_bytes)
-    t_memory = mem_bytes / (hbm * calibration.memory)
+    t_memory = memory_bound_bytes(compiled) / (hbm * calibration.memory)
     rows = []
     for row in schedule(compiled, mesh=mesh):
         c = row.collective
@@ -197,4 +202,4 @@ def predict(compiled: Any, *, mesh: Any, slice_: Slice, model_cfg: GPTConfig, ba
                       flops, analytic, calibration.provisional)
 
 
-__all__ = ["Prediction", "CollectiveTime", "predict", "collective_seconds", "ASSUMPTIONS"]
+__all__ = ["Prediction", "CollectiveTime", "predict", "grouped_flops", "collective_seconds", "ASSUMPTIONS"]

@@ -28,6 +28,7 @@ from eqgpt.profile.schedule import (
     ScheduledCollective,
     ScheduleSummary,
     matmul_flops,
+    memory_bound_bytes,
     schedule,
     schedule_summary,
     schedule_table,
@@ -70,7 +71,7 @@ def print_evidence(lower: Callable[[], Any], strategy: Any, policy: Any, config:
 
 
 __all__ = [
-    "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary",
+    "KINDS", "SLICED", "Collective", "SummaryRow", "collectives", "collective_summary", "memory_bound_bytes",
     "collective_table", "total_bytes", "Estimate", "estimate", "MemoryReport", "memory", "memory_table", "report",
     "ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table", "matmul_flops",
     "print_evidence",

@@ -76,6 +76,7 @@ class Instr:
     conv: tuple[str, str, str, tuple[int, ...]] | None = None  # of a convolution (text): dim labels, window
     value: int | None = None  # of an integer scalar constant (read from text)
     direction: str = ""  # of a compare (read from text)
+    spaces: tuple[int, ...] = ()  # memory space of each array (text; 0: device memory, e.g. 1: a TPU's VMEM)
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,15 @@ def _matching(s: str, start: int) -> int:
     return len(s)
 
 
+_SPACED = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[[0-9,]*\](\{[^}]*\})?")
+
+
+def _text_spaces(type_: str) -> tuple[int, ...]:
+    """The memory space of each array of a type, from its layout's `S(n)` (0 without)."""
+    return tuple(int(m.group(1)) if (m := re.search(r"S\((\d+)\)", layout or "")) else 0
+                 for d, layout in _SPACED.findall(type_) if is_array(d))
+
+
 def _text_arrays(type_: str) -> tuple[Array, ...]:
     return tuple((d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(type_)
                  if is_array(d))
@@ -409,6 +419,7 @@ def _text_instr(line: str) -> tuple[Instr, bool] | None:
         conv=(*labels.group(1, 2, 3), tuple(int(w) for w in window.group(1).split("x")) if window else ())
         if labels else None,
         value=int(value.group(1)) if value else None, direction=direction.group(1) if direction else "",
+        spaces=_text_spaces(type_),
     ), is_root
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eqgpt.profile.collectives import Collective, module_collectives
-from eqgpt.profile.hlo import Instr, Module, module_from_text
+from eqgpt.profile.hlo import Instr, Module, is_collective, module_from_text, nbytes
 from eqgpt.profile.text import human_bytes, table_text
 
 
@@ -142,6 +142,87 @@ class _Flops:
         return sum(self.of(comp, i) for i in self.module.comps[comp])
 
 
+# Instructions that move no data through HBM themselves (or whose cost is counted elsewhere: a custom call is a
+# Pallas kernel, timed as attention; collectives are communication; loops and calls count their bodies).
+_NO_BYTES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+             "replica-id", "opt-barrier", "custom-call", "iota"}
+_SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+def _bytes(ins: Instr | None) -> int:
+    """Bytes of an instruction's result in device memory (HBM): arrays placed on chip (VMEM) move none."""
+    if ins is None:
+        return 0
+    spaces = ins.spaces if len(ins.spaces) == len(ins.arrays) else (0,) * len(ins.arrays)
+    return sum(nbytes(a) for a, space in zip(ins.arrays, spaces, strict=True) if space == 0)
+
+
+class _Bytes:
+    """HBM bytes of the memory-bound instructions of one module (memoised): every instruction outside
+    fusions that neither is nor holds a matmul, reading its operands and writing its result once."""
+
+    def __init__(self, module: Module, flops: _Flops):
+        self.module, self.flops = module, flops
+
+    @functools.cache  # noqa: B019 (one instance per report)
+    def computation(self, comp: str) -> int:
+        return sum(self.of(comp, i) for i in self.module.comps[comp])
+
+    def of(self, comp: str, ins: Instr) -> int:
+        called = [self.computation(c) for role, c in ins.called if c in self.module.comps and role != "condition"]
+        if ins.opcode == "while":
+            return (ins.trip_count or 1) * sum(called)
+        if ins.opcode in ("call", "conditional"):
+            return max(called, default=0) if ins.opcode == "conditional" else sum(called)
+        if (ins.opcode in _NO_BYTES or is_collective(ins.opcode) or ins.opcode.endswith(("-start", "-done"))
+                or self.flops.of(comp, ins) > 0):
+            return 0
+        table = self.flops.tables[comp]
+        if ins.opcode == "fusion":
+            return self._fusion(comp, ins)
+        if ins.opcode == "dynamic-update-slice":  # in place: read and write the update
+            return 2 * _bytes(table.get(ins.operands[1])) if len(ins.operands) > 1 else 0
+        if ins.opcode in _SLICES:
+            return 2 * _bytes(ins)
+        return _bytes(ins) + sum(_bytes(table.get(o)) for o in ins.operands)
+
+    def _fusion(self, comp: str, ins: Instr) -> int:
+        """A fusion reads each operand once, except one it only slices (the slice) or updates in place (nothing),
+        and writes its result (an in-place update: the update)."""
+        fused = next((c for role, c in ins.called if role == "calls" and c in self.module.comps), None)
+        if fused is None:
+            return _bytes(ins) + sum(_bytes(self.flops.tables[comp].get(o)) for o in ins.operands)
+        instrs, table = self.module.comps[fused], self.flops.tables[fused]
+        users: dict[str, list[Instr]] = {}
+        for i in instrs:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        read = 0
+        for p in instrs:
+            if p.opcode != "parameter" or p.param is None or p.param >= len(ins.operands):
+                continue
+            us = users.get(p.name, [])
+            if us and all(u.opcode in _SLICES and u.operands[0] == p.name for u in us):
+                read += sum(_bytes(u) for u in us)
+            elif not (us and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name for u in us)):
+                read += _bytes(self.flops.tables[comp].get(ins.operands[p.param]))
+        root = table.get(self.module.roots.get(fused, ""))
+        outs = [table.get(o) for o in root.operands] if root is not None and root.opcode == "tuple" else [root]
+        write = sum(_bytes(table.get(o.operands[1])) if o is not None and o.opcode == "dynamic-update-slice"
+                    and len(o.operands) > 1 else _bytes(o) for o in outs)
+        return read + write
+
+
+def memory_bound_bytes(compiled: Any) -> int:
+    """HBM bytes per device of one call's memory-bound work: every instruction outside matmuls, Pallas
+    kernels and collectives (elementwise fusions, reductions, copies, the optimizer update), each reading
+    its operands and writing its result once (a sliced operand: the slice; an in-place update: the update),
+    loop bodies times their trip counts; arrays the compiler placed on chip (a TPU's VMEM, `S(1)` in their
+    layout) move none. An estimate of traffic, not of time."""
+    module = module_from_text(_text(compiled))
+    return _Bytes(module, _Flops(module)).computation(module.entry) if module.entry else 0
+
+
 def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
     seen, todo = set(), [start]
     while todo:
@@ -234,4 +315,5 @@ def schedule_table(compiled: Any, *, mesh: Any = None, bandwidth: float | None =
     return table_text(table, width=160)
 
 
-__all__ = ["ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table"]
+__all__ = [
+    "ScheduledCollective", "ScheduleSummary", "schedule", "schedule_summary", "schedule_table", "memory_bound_bytes"]
