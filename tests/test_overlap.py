@@ -28,7 +28,9 @@ from parallel_cases import CONFIGS, OPTIMIZER, OPTIONS, batches, sharded_run
 from recipe_runs import subprocess_compile_cache
 from test_strategies import corpus, run, trained  # noqa: F401 (corpus is a fixture)
 
-MESHES = {"dp": ["--mesh", "data=8", "--strategy", "dp"], "fsdp": ["--mesh", "fsdp=8", "--strategy", "fsdp"],
+# No dp case: with no weights split over fsdp, overlap leaves the loss (so the program, on CPU) as it is
+# (test_overlap_part_and_flags), and dp trains like one device (test_strategies).
+MESHES = {"fsdp": ["--mesh", "fsdp=8", "--strategy", "fsdp"],
           "fsdp+tp": ["--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"]}
 
 
@@ -148,7 +150,10 @@ def test_overlap_part_and_flags():
     strategy = Strategy(par.make_mesh("fsdp=8"), "fsdp", parts=(par.Overlap(),))
     assert strategy.describe() == "fsdp | overlap"
     assert par.overlap.prefetch_axes(strategy) == ("fsdp",)
-    assert par.overlap.prefetch_axes(Strategy(par.make_mesh("data=8"), "dp", parts=(par.Overlap(),))) == ()
+    dp = Strategy(par.make_mesh("data=8"), "dp", parts=(par.Overlap(),))
+    assert par.overlap.prefetch_axes(dp) == ()
+    loss = lambda model, batch: 0.0  # noqa: E731
+    assert par.Overlap().loss_fn(dp, loss, chunk_size=0, z_loss=0.0, model_like=None) is loss  # dp: unchanged
     # The backend is running: the flags cannot take effect any more, and nothing changes.
     assert par.overlap.set_overlap_flags() == par.overlap.overlap_flags_set()
     # Before it starts they are set, and XLA's CPU backend starts with them (it stops at an unknown flag).
