@@ -30,9 +30,8 @@ CASES = {  # name: (mesh, rules, manual, the Strategy options "on" sets)
 }
 
 
-def measure(name: str, on: bool, args) -> dict:
-    """One compiled step of case `name`: collective ops, executions and bytes, overlappable
-    shares, median step seconds."""
+def compile_case(name: str, on: bool, args) -> tuple:
+    """The train step of case `name`, off or `on`, compiled; **returns** (compiled, strategy, state, batch)."""
     import equinox as eqx
     import jax
     import numpy as np
@@ -42,7 +41,6 @@ def measure(name: str, on: bool, args) -> dict:
     from eqgpt import nn
     from eqgpt.data import Batch
     from eqgpt.parallel import ParallelFlags
-    from eqgpt.profile import collectives, memory, schedule, schedule_summary
     from eqgpt.train import TrainState, make_train_step
 
     mesh, rules, manual, options = CASES[name]
@@ -55,7 +53,17 @@ def measure(name: str, on: bool, args) -> dict:
     step = make_train_step(optimizer, strategy=strategy, model_like=eqx.filter_eval_shape(lambda: model))
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (args.batch, args.seq + 1), 0, 256))
     batch = strategy.batch(Batch.from_windows(tokens))
-    compiled = step.lower(state, batch).compile()
+    return step.lower(state, batch).compile(), strategy, state, batch
+
+
+def measure(name: str, on: bool, args) -> dict:
+    """One compiled step of case `name`: collective ops, executions and bytes, overlappable
+    shares, median step seconds."""
+    import jax
+
+    from eqgpt.profile import collectives, memory, schedule, schedule_summary
+
+    compiled, strategy, state, batch = compile_case(name, on, args)
     rows = collectives(compiled, strategy.mesh)
     report = schedule(compiled, strategy.mesh)
     structural = schedule_summary(report)
@@ -72,7 +80,7 @@ def measure(name: str, on: bool, args) -> dict:
             "seconds": statistics.median(times[1:])}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--layers", type=int, default=4)
@@ -83,7 +91,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
     parser.add_argument("--bandwidth", type=float, default=450e9, help="nominal link bytes/s (H100 NVLink)")
     parser.add_argument("--peak", type=float, default=989e12, help="nominal FLOP/s (H100 bf16 dense)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from eqgpt.parallel.overlap import set_overlap_flags
 
     set_overlap_flags()  # before the backend starts (GPU only; ignored on CPU)

@@ -24,11 +24,14 @@ from eqgpt.profile import collectives, schedule, schedule_summary, schedule_tabl
 from eqgpt.profile.hlo import module_from_text
 from eqgpt.profile.schedule import _Flops, _text
 from eqgpt.train import Strategy
-from parallel_cases import CONFIGS, OPTIMIZER, OPTIONS, batches, sharded_run
+from parallel_cases import CONFIGS, sharded_run
 from recipe_runs import subprocess_compile_cache
+from test_benchmarks import load
 from test_strategies import corpus, run, trained  # noqa: F401 (corpus is a fixture)
 
-MESHES = {"dp": ["--mesh", "data=8", "--strategy", "dp"], "fsdp": ["--mesh", "fsdp=8", "--strategy", "fsdp"],
+# No dp case: with no weights split over fsdp, overlap leaves the loss (so the program, on CPU) as it is
+# (test_overlap_part_and_flags), and dp trains like one device (test_strategies).
+MESHES = {"fsdp": ["--mesh", "fsdp=8", "--strategy", "fsdp"],
           "fsdp+tp": ["--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"]}
 
 
@@ -42,43 +45,46 @@ def test_overlap_trains_like_one_device(mesh, corpus, tmp_path_factory):  # noqa
     np.testing.assert_allclose(on, single, rtol=1e-5)
 
 
-def _compiled_step(mesh: str, rules: str, overlap: bool):
-    from eqgpt.train import TrainState, make_train_step
-
-    strategy = Strategy(par.make_mesh(mesh), rules, parts=(par.Overlap(),) if overlap else ())
-    config = CONFIGS["gpt"].replace(num_layers=4)  # a loop of 3 (with 2 layers XLA inlines the loop of 1)
-    model = strategy.init_model(lambda k: nn.GPT(config, key=k), jax.random.key(0))
-    opt_state = strategy.init_opt_state(OPTIMIZER, model)
-    step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
-    state = TrainState(model, opt_state, rng=jax.random.key(0))
-    return step.lower(state, strategy.batch(batches(1)[0])).compile(OPTIONS), strategy
+# benchmarks/overlap.py's fsdp=8 case, 4 layers scanned (a loop of 3: with 2 layers XLA inlines the loop of 1).
+BENCHMARK = ["--cases", "fsdp", "--layers", "4", "--embed", "32", "--seq", "32", "--batch", "8", "--steps", "1",
+             "--scan"]
 
 
-def _loop_gathers(compiled, phase):
-    """(all-gathers in the layer loop of `phase`, how many feed none of that iteration's matmuls)."""
+@pytest.fixture(scope="module")
+def fsdp_steps():
+    """The benchmark's fsdp step without and with overlap, compiled once for the tests that read them:
+    `{overlap: (compiled, strategy, state, batch)}`."""
+    bench = load("overlap")
+    return {on: bench.compile_case("fsdp", on, bench.parse_args(BENCHMARK)) for on in (False, True)}
+
+
+def _loop_gathers(compiled) -> tuple[dict[str, tuple[int, int]], str]:
+    """Per phase, (all-gathers in its layer loop, how many feed none of that iteration's matmuls); and
+    the entry computation's name (the module read once)."""
     module = module_from_text(_text(compiled))
     flops = _Flops(module)
-    rows = [r for r in schedule(compiled) if r.collective.kind == "all-gather" and r.collective.phase == phase
-            and r.collective.computation != module.entry]
-    return len(rows), sum(r.independent_flops == flops.computation(r.collective.computation) for r in rows)
+    rows = [r for r in schedule(compiled)
+            if r.collective.kind == "all-gather" and r.collective.computation != module.entry]
+    counts = {}
+    for phase in ("forward", "backward"):
+        loop = [r for r in rows if r.collective.phase == phase]
+        counts[phase] = len(loop), sum(r.independent_flops == flops.computation(r.collective.computation) for r in loop)
+    return counts, module.entry
 
 
-def test_fsdp_prefetch_is_carried_in_the_scan():
+def test_fsdp_prefetch_is_carried_in_the_scan(fsdp_steps):
     """With overlap, every weight all-gather of the scanned forward loop is independent of that
     iteration's matmuls (it gathers the next layer, carried to the next iteration), and so is
     every one of the backward loop (the layer below); without, the gathers feed the iteration's
     own matmuls. Each layer's gradient is reduce-scattered inside the backward loop. Bytes per
     kind are those without overlap (the backward gathers again: FSDP's memory is kept)."""
-    assert CONFIGS["gpt"].scan_layers
-    on, strategy = _compiled_step("fsdp=8", "fsdp", True)
-    off = _compiled_step("fsdp=8", "fsdp", False)[0]
+    (on, strategy, *_), off = fsdp_steps[True], fsdp_steps[False][0]
+    (loops_on, entry), (loops_off, _) = _loop_gathers(on), _loop_gathers(off)
     for phase in ("forward", "backward"):
-        gathers_on, ahead_on = _loop_gathers(on, phase)
-        gathers_off, ahead_off = _loop_gathers(off, phase)
+        (gathers_on, ahead_on), (gathers_off, ahead_off) = loops_on[phase], loops_off[phase]
         assert gathers_on == ahead_on > 0, phase
         assert ahead_off < gathers_off / 2, phase
     rows_on, rows_off = collectives(on, strategy.mesh), collectives(off, strategy.mesh)
-    entry = module_from_text(_text(on)).entry
     # The backward loop runs layers 2 and 1 (layer 3 before it, layer 0 after it), a reduce-scatter in each.
     assert any(r.effective_kind == "reduce-scatter" and r.computation != entry and r.executions == 2 for r in rows_on)
 
@@ -88,6 +94,21 @@ def test_fsdp_prefetch_is_carried_in_the_scan():
 
     for kind, phase in (("all-gather", "forward"), ("all-gather", "backward"), ("reduce-scatter", None)):
         assert total(rows_on, kind, phase) == pytest.approx(total(rows_off, kind, phase), rel=0.01), (kind, phase)
+
+
+def test_overlap_benchmark_prints_both_settings_with_the_same_bytes(fsdp_steps, monkeypatch, capsys):
+    """benchmarks/overlap.py's table for fsdp, off and on: the same bytes (its steps are those the test
+    above reads, compiled once)."""
+    bench = load("overlap")
+    cases = []
+    monkeypatch.setattr(bench, "compile_case", lambda name, on, args: (cases.append((name, on, args.layers)),
+                                                                         fsdp_steps[on])[1])
+    assert bench.main(BENCHMARK) == 0
+    assert cases == [("fsdp", False, 4), ("fsdp", True, 4)]
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| fsdp")]
+    assert [r[1].strip() for r in rows] == ["off", "on"]
+    kib = [float(r[4]) for r in rows]
+    assert abs(kib[0] - kib[1]) <= 0.01 * kib[0]
 
 
 def test_schedule_report_lists_every_collective_of_a_compiled_fsdp_tp_step():
@@ -148,7 +169,10 @@ def test_overlap_part_and_flags():
     strategy = Strategy(par.make_mesh("fsdp=8"), "fsdp", parts=(par.Overlap(),))
     assert strategy.describe() == "fsdp | overlap"
     assert par.overlap.prefetch_axes(strategy) == ("fsdp",)
-    assert par.overlap.prefetch_axes(Strategy(par.make_mesh("data=8"), "dp", parts=(par.Overlap(),))) == ()
+    dp = Strategy(par.make_mesh("data=8"), "dp", parts=(par.Overlap(),))
+    assert par.overlap.prefetch_axes(dp) == ()
+    loss = lambda model, batch: 0.0  # noqa: E731
+    assert par.Overlap().loss_fn(dp, loss, chunk_size=0, z_loss=0.0, model_like=None) is loss  # dp: unchanged
     # The backend is running: the flags cannot take effect any more, and nothing changes.
     assert par.overlap.set_overlap_flags() == par.overlap.overlap_flags_set()
     # Before it starts they are set, and XLA's CPU backend starts with them (it stops at an unknown flag).

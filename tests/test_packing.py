@@ -149,7 +149,7 @@ def test_pipeline_and_manual_paths_refuse_per_row_positions(flags):
 
 
 def test_packed_recipe_resumes_bitwise(tmp_path):
-    """train_gpt.py --data.mode packed: 20 straight steps == 10 steps + checkpoint + --resume 10 steps."""
+    """train_gpt.py --data.mode packed: 8 straight steps == 4 steps + checkpoint + --resume 4 steps."""
     from recipe_runs import TINY, load_recipe, run_recipe, write_documents
 
     recipe = load_recipe()
@@ -157,15 +157,15 @@ def test_packed_recipe_resumes_bitwise(tmp_path):
     common = [*TINY, "--eval-windows", "0", "--data.corpus", str(corpus), "--data.cache-dir", str(tmp_path / "cache"),
               "--data.val-percent", "20", "--data.mode", "packed", "--seed", "1"]
     loss = lambda rows: [r["loss"] for r in rows if "loss" in r]  # noqa: E731
-    straight = loss(run_recipe(recipe, [*common, "--steps", "20", "--out-dir", str(tmp_path / "a")]))
-    first = loss(run_recipe(recipe, [*common, "--steps", "10", "--checkpoint-every", "10",
+    straight = loss(run_recipe(recipe, [*common, "--steps", "8", "--out-dir", str(tmp_path / "a")]))
+    first = loss(run_recipe(recipe, [*common, "--steps", "4", "--checkpoint-every", "4",
                                      "--out-dir", str(tmp_path / "b")]))
-    resumed = loss(run_recipe(recipe, [*common, "--steps", "20", "--checkpoint-every", "10", "--resume",
+    resumed = loss(run_recipe(recipe, [*common, "--steps", "8", "--checkpoint-every", "4", "--resume",
                                        "--out-dir", str(tmp_path / "b")]))
-    assert len(straight) == 20 and first == straight[:10]
-    assert first + resumed[-10:] == straight  # bitwise
+    assert len(straight) == 8 and first == straight[:4]
+    assert first + resumed[-4:] == straight  # bitwise
     assert straight[-1] < straight[0]
     import json
 
-    data = json.loads((tmp_path / "b" / "checkpoints" / "20" / "meta" / "metadata").read_text())["extras"]["data"]
-    assert data["grain"] == {"next_index": 20} and data["mode"] == "packed"  # the iterator state
+    data = json.loads((tmp_path / "b" / "checkpoints" / "8" / "meta" / "metadata").read_text())["extras"]["data"]
+    assert data["grain"] == {"next_index": 8} and data["mode"] == "packed"  # the iterator state

@@ -139,7 +139,6 @@ from recipe_runs import (  # noqa: E402
     TINY,
     console_script,
     load_recipe,
-    subprocess_compile_cache,
     write_documents,
 )
 
@@ -166,9 +165,12 @@ def _train_rows(out: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
-def test_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, capsys):
     """Default flags but a tiny model: SIGINT at step 7 (with --checkpoint-every 0, Grain threads on),
-    then --resume ending bitwise where an uninterrupted run ends; metrics hold each step once."""
+    then --resume ending bitwise where an uninterrupted run ends; metrics hold each step once. The finished
+    run then: a plain --resume changes nothing, refused resumes neither (issue 51), the next plain resume
+    validates step 12 on the run's own corpus as the run did, and --allow-new-corpus switches, recorded."""
     assert threading.current_thread() is threading.main_thread(), "SIGINT needs the main thread"
     write_documents(tmp_path / "docs")
     recipe = load_recipe()
@@ -196,14 +198,64 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     assert resumed["first_val_loss"] == json.loads((straight / "summary.json").read_text())["first_val_loss"]
     assert (cut / "samples.txt").read_text() == (straight / "samples.txt").read_text()
 
-    # A finished run: --resume changes nothing; --steps 14 trains on from step 12.
+    # A finished run: --resume changes nothing; refused resumes neither (below); --steps 14 trains on from step 12.
     before = _checksums(cut)
     again = recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(cut)]))
     assert again["finished"] and _checksums(cut) == before
+    val_at_12 = [r["val_loss"] for r in map(json.loads, (cut / "metrics.jsonl").read_text().splitlines())
+                 if r["step"] == 12 and "val_loss" in r]
+    _refused_resumes_change_nothing(cut, monkeypatch, capsys)
     more = recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(cut), "--steps", "14"]))
     assert more["steps"] == 14
     steps = [r[0] for r in _train_rows(cut)]
     assert steps == sorted(set(steps)) and steps[-1] == 14
+    rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    again = [r["val_loss"] for r in rows if r["step"] == 12 and "val_loss" in r]
+    assert again == val_at_12  # measured again on the run's corpus (another corpus validates otherwise)
+    config = json.loads((cut / "config.json").read_text())
+    docs = str(tmp_path / "docs")
+    assert config["recipe"]["data"]["corpus"] == docs and config["recipe"]["batch_size"] == 8
+    assert [c["name"] for c in config["corpora"]] == [docs]
+
+    # A deliberate switch (--allow-new-corpus) trains on, and config.json records it.
+    capsys.readouterr()
+    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(cut), "--steps", "16", "--data.corpus", "other",
+                                    "--allow-new-corpus"]))
+    assert "--allow-new-corpus: continuing on corpus other" in capsys.readouterr().out
+    corpora = json.loads((cut / "config.json").read_text())["corpora"]
+    assert [(c["name"], c["from_step"]) for c in corpora] == [(docs, 0), ("other", 14)]
+
+
+# --- a refused resume changes nothing (through the console script's entry) ----------------------------
+
+REFUSED = [  # each differs from the run's checkpoint: the resume is refused before anything is written
+    (["--batch-size", "16", "--data.corpus", "stdlib"], ["--batch-size 16", "--data.corpus stdlib"]),
+    (["--data.corpus", "other"], ["another corpus", "--allow-new-corpus"]),
+    (["--model.embed-dim", "48"], ["--model.embed-dim 48 (the run's: 32)"]),
+    (["--seed", "3", "--data.mode", "packed"], ["--seed 3", "--data.mode packed"]),
+]
+
+
+def _refused_resumes_change_nothing(run: Path, monkeypatch, capsys) -> None:
+    """Issue 51: `run` (finished at step 12) resumed with flags that contradict its checkpoint (batch size and
+    corpus, model width, seed and data mode, another corpus `other` beside it): each is refused in one line with
+    exit status 1 and every file of the run keeps its bytes. In this process, through `eqgpt-train`'s entry
+    (`eqgpt.cli.train.run`): a refusal comes before any compile, and test_cli_errors shows the same one line
+    and status from a fresh process of the console script."""
+    import eqgpt.cli.train as train
+    from test_cli_errors import refused
+
+    write_documents(run.parent / "other", seed=1)
+    monkeypatch.chdir(run.parent)
+    monkeypatch.setattr(train, "restart_with_malloc_tunables", lambda: None)
+    before = _checksums(run)
+    for extra, words in REFUSED:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train.run(["--resume", "--out-dir", run.name, "--steps", "16", *extra])
+        err = refused(e.value.code, capsys.readouterr().err, extra)
+        assert err.startswith("error: --resume: refused, nothing changed") and all(w in err for w in words), err
+        assert _checksums(run) == before, extra
 
 
 def test_a_new_run_never_overwrites_another(tmp_path):
@@ -216,60 +268,6 @@ def test_a_new_run_never_overwrites_another(tmp_path):
     with pytest.raises(ValueError, match="holds a finished run without checkpoints"):
         _recipe_run(tmp_path, "run", ["--resume"])
     assert [p.name for p in out.iterdir()] == ["model.eqx"]
-
-
-# --- a refused resume changes nothing (through the console script) -----------------------------------
-
-REFUSED = [  # each differs from the run's checkpoint: the resume is refused before anything is written
-    (["--batch-size", "16", "--data.corpus", "stdlib"], ["--batch-size 16", "--data.corpus stdlib"]),
-    (["--data.corpus", "other"], ["another corpus", "--allow-new-corpus"]),
-    (["--model.embed-dim", "48"], ["--model.embed-dim 48 (the run's: 32)"]),
-    (["--seed", "3", "--data.mode", "packed"], ["--seed 3", "--data.mode packed"]),
-]
-
-
-def _console(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([*console_script("eqgpt-train"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-@pytest.mark.slow
-def test_refused_resumes_leave_the_run_byte_identical_and_the_next_trains_on_its_corpus(tmp_path, tmp_path_factory):
-    """A copy of a finished run, resumed with flags that contradict its checkpoint (batch size and corpus,
-    model width, seed and data mode, another corpus): each exits 1 with one line, and every file of the run
-    keeps its bytes; a plain resume then validates step 12 on the run's own corpus, as the run did; a
-    deliberate switch (--allow-new-corpus) trains on and is recorded in config.json."""
-    env, cache_flags = subprocess_compile_cache(tmp_path_factory)
-    write_documents(tmp_path / "docs")
-    write_documents(tmp_path / "other", seed=1)
-    base = [*RUN, "--eval-every", "12", "--data.cache-dir", str(tmp_path / "cache"), *cache_flags]
-    first = _console([*base, "--data.corpus", "docs", "--out-dir", "run"], tmp_path, env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    run = tmp_path / "run"
-    val_at_12 = [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                 if r["step"] == 12 and "val_loss" in r]
-    before = _checksums(run)
-    for extra, words in REFUSED:
-        got = _console(["--resume", "--out-dir", "run", "--steps", "16", *extra], tmp_path, env)
-        err = got.stderr.strip()
-        assert got.returncode == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, got.stderr[-3000:]
-        assert err.startswith("error: --resume: refused, nothing changed") and all(w in err for w in words), err
-        assert _checksums(run) == before, extra
-    plain = _console(["--resume", "--out-dir", "run", "--steps", "16", *cache_flags], tmp_path, env)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    again = [r["val_loss"] for r in rows if r["step"] == 12 and "val_loss" in r]
-    assert again == val_at_12  # measured again on the run's corpus (another corpus validates otherwise)
-    config = json.loads((run / "config.json").read_text())
-    assert config["recipe"]["data"]["corpus"] == "docs" and config["recipe"]["batch_size"] == 8
-    assert [c["name"] for c in config["corpora"]] == ["docs"]
-
-    switched = _console(["--resume", "--out-dir", "run", "--steps", "18", "--data.corpus", "other",
-                         "--allow-new-corpus", *cache_flags], tmp_path, env)
-    assert switched.returncode == 0, switched.stderr[-3000:]
-    assert "--allow-new-corpus: continuing on corpus other" in switched.stdout
-    corpora = json.loads((run / "config.json").read_text())["corpora"]
-    assert [(c["name"], c["from_step"]) for c in corpora] == [("docs", 0), ("other", 16)]
 
 
 # --- extending a run continues its learning-rate schedule ---------------------------------------------
@@ -291,7 +289,7 @@ def test_schedule_tails_continue_without_a_jump():
 
 @pytest.mark.slow
 def test_extending_a_finished_run_continues_its_learning_rate(tmp_path, capsys):
-    """200 steps, then --resume --steps 300: the rate at step 201 is within 1% of step 200's (the default
+    """200 steps, then --resume --steps 220: the rate at step 201 is within 1% of step 200's (the default
     cosine tail), the log names the tail, and config.json records it."""
     write_documents(tmp_path / "docs")
     recipe = load_recipe()
@@ -300,21 +298,21 @@ def test_extending_a_finished_run_continues_its_learning_rate(tmp_path, capsys):
             "--data.cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")]
     recipe.main(recipe.parse_flags([*args, "--steps", "200"]))
     capsys.readouterr()
-    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "300"]))
+    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "220"]))
     printed = capsys.readouterr().out
-    assert "--steps 300 extends the run's schedule: cosine tail from 6e-05 at step 200" in printed, printed
+    assert "--steps 220 extends the run's schedule: cosine tail from 6e-05 at step 200" in printed, printed
     lr = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
           if "lr" in r}
-    assert sorted(lr) == list(range(1, 301))
-    assert abs(lr[201] - lr[200]) <= 0.01 * lr[200] and max(lr[s] for s in range(201, 301)) <= 1.01 * lr[200]
+    assert sorted(lr) == list(range(1, 221))
+    assert abs(lr[201] - lr[200]) <= 0.01 * lr[200] and max(lr[s] for s in range(201, 221)) <= 1.01 * lr[200]
     schedule = json.loads((tmp_path / "run" / "config.json").read_text())["schedule"]
-    assert schedule == {"planned_steps": 200, "tails": [{"from": 200, "to": 300, "tail": "cosine"}]}
-    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "305",
+    assert schedule == {"planned_steps": 200, "tails": [{"from": 200, "to": 220, "tail": "cosine"}]}
+    recipe.main(recipe.parse_flags(["--resume", "--out-dir", str(tmp_path / "run"), "--steps", "225",
                                     "--optim.lr", "1e-3", "--optim.extend", "constant"]))
     printed = capsys.readouterr().out
-    assert "changed on resume: --optim.lr 0.001 (the run's: 0.003); the learning rate at step 300 moves from " \
+    assert "changed on resume: --optim.lr 0.001 (the run's: 0.003); the learning rate at step 220 moves from " \
            "6e-05 to 2e-05" in printed, printed
-    assert "constant tail from 2e-05 at step 300" in printed
+    assert "constant tail from 2e-05 at step 220" in printed
 
 
 # --- stoppable: SIGTERM in seconds, Ctrl-C twice without a traceback, a step too big refused ------------
