@@ -33,6 +33,7 @@ from eqgpt.parallel.pipeline.part import pipeline_schedule
 from eqgpt.profile import collectives
 from eqgpt.train import TrainState, make_train_step
 from markov import falls, markov_windows
+from parallel_cases import OPTIONS
 
 CFG = eqgpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=8, num_heads=4, embed_dim=32)
 BATCH, SEQ, STEPS = 16, 16, 5
@@ -60,7 +61,7 @@ def train(strategy, model, steps=STEPS, vocab=CFG.vocab_size):
     model = strategy.place_model(model)
     state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(0))
     batches = [strategy.batch(make_batch(i, vocab)) for i in range(steps)]
-    compiled = make_train_step(OPTIMIZER, strategy=strategy, donate=False).lower(state, batches[0]).compile()
+    compiled = make_train_step(OPTIMIZER, strategy=strategy, donate=False).lower(state, batches[0]).compile(OPTIONS)
     losses = []
     for b in batches:
         state, metrics = compiled(state, b)

@@ -8,6 +8,7 @@ densely in plain `jnp`, sharing nothing with `eqgpt.nn.mask` or the kernels.
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,7 +151,8 @@ def _pallas_grads(kernel, strategy):
                        num_kv_heads=2 if kernel == "splash" else None)
     windows = np.random.default_rng(0).integers(0, 256, (8, cfg.seq_len + 1)).astype(np.int32)
     model = strategy.init_model(lambda key: GPT(cfg, key=key), jax.random.key(0))
-    (loss, _), g = eqx.filter_jit(strategy.grad_fn(model_like=model))(model, strategy.batch(Batch.from_windows(windows)))
+    batch = strategy.batch(Batch.from_windows(windows))
+    (loss, _), g = eqx.filter_jit(strategy.grad_fn(model_like=model))(model, batch)
     return float(loss), [np.asarray(x) for x in jax.tree.leaves(g)]
 
 
