@@ -5,6 +5,7 @@ only the projection and MLP layers, and int8 training on `fsdp=4,tensor=2` equal
 
 from __future__ import annotations
 
+import functools
 import json
 
 import equinox as eqx
@@ -145,6 +146,12 @@ def _train(strategy: Strategy, model, policy: Policy):
     return losses, arrays(state.model)
 
 
+@functools.cache
+def _one_device(backward: str):
+    """The one-device int8 run of the gpt model, once per backward (qat serves two cases)."""
+    return _train(Strategy(), reference_model("gpt"), Policy(matmul="int8", int8_backward=backward))
+
+
 # Measured against one device, 5 steps (losses relative, arrays absolute): qat on fsdp=4,tensor=2
 # within 6e-7 and 1.5e-6 (the key bias, as in float: test_parallel_parity.NOISE_ONLY), the float
 # run's own noise; qt within 7e-6 and 6e-5: it rounds the gradients to int8 too, so float noise
@@ -172,7 +179,7 @@ def test_int8_trains_like_one_device(case):
     mesh_spec, strategy, parts, backward, loss_rtol, atol, noise = CASES[case]
     policy = Policy(matmul="int8", int8_backward=backward)
     model = reference_model("gpt")
-    one = _train(Strategy(), model, policy)
+    one = _one_device(backward)
     mesh = Strategy(par.make_mesh(mesh_spec), strategy, parts=parts)
     mesh.check(model, batch_size=BATCH, seq_len=SEQ)
     out = _train(mesh, model, policy)

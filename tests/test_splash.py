@@ -7,6 +7,8 @@ densely in plain `jnp`, sharing nothing with `eqgpt.nn.mask` or the kernels.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +138,32 @@ def test_auto_picks_flash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
     assert eqgpt.GPTConfig().attention_kernel == "auto"
 
 
+def _pallas_grads(kernel, strategy):
+    """fp32 loss and gradient leaves of a 2-layer nano GPT (splash with grouped kv heads, flash
+    with as many as queries) on one fixed batch of 8 rows, under `strategy`. Two layers: a
+    pipeline of 2 stages still holds one each; in interpret mode the layer count drives the cost."""
+    import equinox as eqx
+
+    from eqgpt.data.batch import Batch
+    from eqgpt.nn import GPT
+
+    cfg = eqgpt.preset("nano", attention_kernel=kernel, num_layers=2,
+                       num_kv_heads=2 if kernel == "splash" else None)
+    windows = np.random.default_rng(0).integers(0, 256, (8, cfg.seq_len + 1)).astype(np.int32)
+    model = strategy.init_model(lambda key: GPT(cfg, key=key), jax.random.key(0))
+    batch = strategy.batch(Batch.from_windows(windows))
+    (loss, _), g = eqx.filter_jit(strategy.grad_fn(model_like=model))(model, batch)
+    return float(loss), [np.asarray(x) for x in jax.tree.leaves(g)]
+
+
+@functools.cache
+def _one_device_grads(kernel):
+    """The one-device reference, computed once per kernel for every mesh case."""
+    from eqgpt.train import Strategy
+
+    return _pallas_grads(kernel, Strategy())
+
+
 @pytest.mark.parametrize("kernel,mesh,rules,parts", [
     ("splash", "fsdp=4,tensor=2", "fsdp+tp", {}), ("splash", "data=8", "dp", {}),
     ("splash", "pipeline=2,data=4", "dp", {"pipeline": "1f1b", "microbatches": 2}),
@@ -145,25 +173,11 @@ def test_auto_picks_flash_on_tpu_cudnn_on_gpu_and_by_length_on_cpu():
 def test_pallas_gradients_under_a_mesh_equal_one_device(kernel, mesh, rules, parts):
     """The Pallas kernels map themselves over the mesh (GSPMD cannot split a Pallas call), or run
     inside the pipeline's type-checked shard_map: fp32 gradients, leaf by leaf, equal one device's
-    (measured differences <= 4e-8). Splash with grouped kv heads, flash with as many as queries."""
-    import equinox as eqx
-
-    from eqgpt.data.batch import Batch
-    from eqgpt.nn import GPT
+    (measured differences <= 4e-8)."""
     from eqgpt.parallel import ParallelFlags
-    from eqgpt.train import Strategy
 
-    cfg = eqgpt.preset("nano", attention_kernel=kernel, num_kv_heads=2 if kernel == "splash" else None)
-    windows = np.random.default_rng(0).integers(0, 256, (8, cfg.seq_len + 1)).astype(np.int32)
-
-    def grads(strategy):
-        model = strategy.init_model(lambda key: GPT(cfg, key=key), jax.random.key(0))
-        (loss, _), g = eqx.filter_jit(strategy.grad_fn(model_like=model))(
-            model, strategy.batch(Batch.from_windows(windows)))
-        return float(loss), [np.asarray(x) for x in jax.tree.leaves(g)]
-
-    loss1, g1 = grads(Strategy())
-    loss8, g8 = grads(ParallelFlags.parse(mesh, rules, **parts))
+    loss1, g1 = _one_device_grads(kernel)
+    loss8, g8 = _pallas_grads(kernel, ParallelFlags.parse(mesh, rules, **parts))
     assert abs(loss8 - loss1) < 1e-5
     for a, b in zip(g8, g1, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
