@@ -28,6 +28,7 @@ from eqgpt.data.batch import Batch
 from eqgpt.data.grain_source import Loader
 from eqgpt.distributed import is_main_process
 from eqgpt.nn.loss import lm_batch_loss
+from eqgpt.nn.protocol import LanguageModel
 from eqgpt.parallel.part import LossFn
 from eqgpt.parallel.placement import Placement
 from eqgpt.precision import Policy
@@ -84,15 +85,15 @@ def make_eval_fn(loss_fn: LossFn | None = None, policy: Policy | None = None) ->
     """A compiled `eval(model, batch) -> mean loss` (in the compute dtype of `policy`).
 
     `loss_fn` is a strategy's (`Strategy.loss_fn()`); default `lm_batch_loss`, the single-device loss.
-    Validation runs rarely, so the model runs `scanned()`: an unrolled model's validation
-    program compiles one layer instead of all of them.
+    Validation runs rarely, so a `LanguageModel` runs `scanned()`: an unrolled model's
+    validation program compiles one layer instead of all of them.
     """
     loss_fn = lm_batch_loss if loss_fn is None else loss_fn
 
     @eqx.filter_jit
     def evaluate(model, batch):
-        m = model.scanned() if policy is None else policy.compute_model(model).scanned()
-        return loss_fn(m, batch)[0].astype(jnp.float32)
+        m = model if policy is None else policy.compute_model(model)
+        return loss_fn(m.scanned() if isinstance(m, LanguageModel) else m, batch)[0].astype(jnp.float32)
 
     return evaluate
 
