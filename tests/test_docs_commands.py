@@ -1,6 +1,7 @@
 """Every `recipes/train_gpt.py` command of docs/parallelism/*.md runs to its end, trimmed to a tiny
 model and two steps (its layers scanned): it trains, validates, samples and writes its plot, samples
-and summary. Those test_strategies also trains like one device (its DOCUMENTED) run to their end there."""
+and summary. The commands whose compositions test_strategies also trains like one device (its
+DOCUMENTED) run to their end there instead."""
 
 from __future__ import annotations
 

@@ -55,8 +55,10 @@ def documented(command: str) -> list[str]:
     return shlex.split(command)
 
 
-# docs/parallelism commands run here (as they are, with MODEL and RUN) instead of in test_docs_commands.
+# docs/parallelism commands run here (with MODEL and RUN) instead of in test_docs_commands.
 DOCUMENTED = {
+    "pipeline=2,data=2,tensor=2 1f1b":
+        "--mesh pipeline=2,data=2,tensor=2 --strategy dp+tp --pipeline 1f1b --microbatches 8",
     "pipeline=2,fsdp=2,tensor=2 interleaved":
         "--mesh pipeline=2,fsdp=2,tensor=2 --strategy fsdp+tp --pipeline interleaved --virtual-stages 2",
     "context=2,fsdp=2,tensor=2 ring": "--mesh context=2,fsdp=2,tensor=2 --strategy fsdp+tp --context ring",
@@ -66,13 +68,13 @@ DOCUMENTED = {
     # Zero-bubble ZB-H1: the backward split into input (B) and weight (W) gradients.
     "pipeline=4,data=2 zb1": "--mesh pipeline=4,data=2 --pipeline zb1 --microbatches 8",
 }
-# The 1f1b pipeline runs its layers unevenly (3 on the first stage, 1 beside the head).
+# Added to a documented command: the 1f1b pipeline runs its layers unevenly (3 on the first stage, 1 beside
+# the head; the docs command's even split is the same schedule with other stage sizes).
+UNEVEN = {"pipeline=2,data=2,tensor=2 1f1b": ["--pipeline-layers", "3,1"]}
 STRATEGIES = {
     "single": [],
     "fsdp+tp": ["--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"],
-    "pipeline=2,data=2,tensor=2 1f1b": ["--mesh", "pipeline=2,data=2,tensor=2", "--strategy", "dp+tp",
-                                        "--pipeline", "1f1b", "--microbatches", "4", "--pipeline-layers", "3,1"],
-    **{name: documented(command) for name, command in DOCUMENTED.items()},
+    **{name: [*documented(command), *UNEVEN.get(name, [])] for name, command in DOCUMENTED.items()},
     "pipeline=2,fsdp=2,tensor=2 zb1": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
                                        "--pipeline", "zb1", "--microbatches", "4"],
     # Collective matmul and gradient buckets (the manual part's settings).
