@@ -7,7 +7,7 @@ persistent compilation cache is deliberately off: reading an entry another xdist
 worker was writing crashed a worker with a segmentation fault on jax 0.10.2. The
 recipe turns it on by default; EQGPT_NO_COMPILE_CACHE keeps it off in every recipe
 run of the suite, in this process and in the subprocesses that inherit it, except the
-`train_gpt.py` processes of test_strategies and test_overlap: each xdist worker gives
+`train_gpt.py` processes of test_overlap and test_resume: each xdist worker gives
 its own, one after another, a cache of its own (`recipe_runs.subprocess_compile_cache`),
 so that no two processes ever share one at a time.)
 """

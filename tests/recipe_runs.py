@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +18,8 @@ from filelock import FileLock
 from eqgpt.parallel.flags import tyro_registry
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+PAGES = RECIPES.parent / "docs" / "parallelism"
+BLOCK = re.compile(r"^```(?:bash|text)\n(.*?)^```", re.S | re.M)
 # Layers scanned (`--model.scan-layers`), not unrolled as the recipe's default is for so shallow a model: the
 # suite's runs are compile-bound, and a run with its layers scanned takes 12-42% less time
 # (docs/measured/suite_times.md); the unrolled stack is proven equal to the scan in test_nn.
@@ -24,6 +28,28 @@ TINY = ["--model.num-layers", "2", "--model.num-heads", "2", "--model.embed-dim"
         "--batch-size", "8", "--log-every", "1", "--eval-windows", "4", "--eval-every", "5", "--sample-tokens", "0",
         "--no-progress", "--peak-flops", "1e12", "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0",
         "--optim.lr", "3e-3"]
+
+
+def page_commands() -> dict[str, str]:
+    """Each docs/parallelism page's train_gpt.py command lines (shell variables such as $T and $C
+    expanded, continuation lines joined, `--cpu-devices` dropped: the suite has 8 CPU devices), once
+    each, with the page that holds each (test_docs_commands runs them; test_strategies some of them)."""
+    found = {}
+    for page in sorted(PAGES.glob("*.md")):
+        for block in BLOCK.findall(page.read_text()):
+            variables = {}
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("  #")[0].strip().removeprefix("$ ")
+                if re.match(r"^\w+=", line):
+                    variables.update((k, v.strip('"')) for k, v in re.findall(r"(\w+)=(\"[^\"]*\"|[^;\s]+)", line))
+                    continue
+                for name, value in variables.items():
+                    line = line.replace("$" + name, value)
+                if "recipes/train_gpt.py" in line:
+                    args = shlex.split(line.split("recipes/train_gpt.py", 1)[1])
+                    args = [a for i, a in enumerate(args) if "--cpu-devices" not in (a, args[i - 1] if i else "")]
+                    found.setdefault(" ".join(args), page.name)
+    return found
 
 
 def console_script(name: str) -> list[str]:
@@ -112,3 +138,20 @@ def seed_checkpoint(root: Path, saved: str, name: str, step: int = 3) -> None:
     with FileLock(str(out) + ".lock"):
         if not (out / "checkpoints").exists():
             shutil.copytree(run_dir(root, saved) / "checkpoints" / str(step), out / "checkpoints" / str(step))
+
+
+# Flags with which a run also shows that it runs to its end: validates, samples from "def " (test_docs_commands).
+TO_THE_END = ["--eval-windows", "2", "--eval-every", "2", "--sample-tokens", "4", "--sample-prompts", "def "]
+
+
+def check_ran_to_the_end(out: Path, printed: str, steps: int) -> None:
+    """The run in `out` (flags TO_THE_END, which printed `printed`) trained `steps` steps, validated,
+    sampled once and wrote its plot, samples and summary."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and not summary["interrupted"]
+    assert len(summary["samples"]) == 1 and summary["samples"][0].startswith("def ")
+    assert (out / "samples.txt").read_text().count("--- sample") == 1
+    assert summary["val_loss"] is not None
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "loss.png").stat().st_size > 0
+    assert "done:" in printed

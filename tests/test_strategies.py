@@ -1,17 +1,22 @@
 """One trainer for every parallelism, run the way a user runs it: `recipes/train_gpt.py` flags.
 
 Each composition trains a tiny model for a few steps through the recipe's own
-command line (a fresh `python recipes/train_gpt.py` process on 8 simulated CPU
-devices) and must match the
-single-device losses. Checkpoints written under one strategy restore under
-others and continue exactly like the uninterrupted run. Bad combinations fail
-with a `ValueError` before anything compiles.
+command line (its `main`, in this process, on the suite's 8 simulated CPU devices;
+the script as a fresh process is test_compile_once's and test_console's) and must
+match the single-device losses. The compositions that docs/parallelism/index.md and
+pipeline.md show run as those pages' commands, and also run to their end (validation,
+samples, plot, summary: test_docs_commands' claim for those commands). Checkpoints
+written under one strategy restore under others and continue exactly like the
+uninterrupted run. Bad combinations fail with a `ValueError` before anything compiles.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,7 +28,15 @@ import tyro
 from filelock import FileLock
 
 from eqgpt.parallel.flags import tyro_registry
-from recipe_runs import RECIPES, load_recipe, run_dir, shared_dir, subprocess_compile_cache
+from recipe_runs import (
+    RECIPES,
+    TO_THE_END,
+    check_ran_to_the_end,
+    load_recipe,
+    page_commands,
+    run_dir,
+    shared_dir,
+)
 
 # A tiny model every mesh below can split: 4 layers (2 stages x 2 chunks), 4 heads
 # (tensor=4), 32 positions (zigzag over context=2, SP over tensor=4), batch 16
@@ -35,23 +48,33 @@ MODEL = ["--model.num-layers", "4", "--model.num-heads", "4", "--model.embed-dim
 RUN = ["--peak-flops", "1e12", "--batch-size", "16", "--log-every", "1", "--eval-windows", "0", "--sample-tokens", "0",
        "--no-progress", "--optim.warmup-steps", "0", "--optim.min-lr-ratio", "1.0", "--optim.lr", "3e-3"]
 
-# The 1f1b pipeline runs its layers unevenly (3 on the first stage, 1 beside the head).
+
+def documented(command: str) -> list[str]:
+    """The flags of `command`, a command a docs/parallelism page shows."""
+    assert command in page_commands(), f"no docs/parallelism page shows {command!r} any more"
+    return shlex.split(command)
+
+
+# docs/parallelism commands run here (with MODEL and RUN) instead of in test_docs_commands.
+DOCUMENTED = {
+    "pipeline=2,data=2,tensor=2 1f1b":
+        "--mesh pipeline=2,data=2,tensor=2 --strategy dp+tp --pipeline 1f1b --microbatches 8",
+    "pipeline=2,fsdp=2,tensor=2 interleaved":
+        "--mesh pipeline=2,fsdp=2,tensor=2 --strategy fsdp+tp --pipeline interleaved --virtual-stages 2",
+    "context=2,fsdp=2,tensor=2 ring": "--mesh context=2,fsdp=2,tensor=2 --strategy fsdp+tp --context ring",
+    "pipeline=2,context=2,tensor=2":
+        "--mesh pipeline=2,context=2,tensor=2 --strategy tp --pipeline 1f1b --context ring",
+    "manual data=2,tensor=4 sp": "--mesh data=2,tensor=4 --strategy dp+sp --manual",
+    # Zero-bubble ZB-H1: the backward split into input (B) and weight (W) gradients.
+    "pipeline=4,data=2 zb1": "--mesh pipeline=4,data=2 --pipeline zb1 --microbatches 8",
+}
+# Added to a documented command: the 1f1b pipeline runs its layers unevenly (3 on the first stage, 1 beside
+# the head; the docs command's even split is the same schedule with other stage sizes).
+UNEVEN = {"pipeline=2,data=2,tensor=2 1f1b": ["--pipeline-layers", "3,1"]}
 STRATEGIES = {
     "single": [],
     "fsdp+tp": ["--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"],
-    "pipeline=2,data=2,tensor=2 1f1b": ["--mesh", "pipeline=2,data=2,tensor=2", "--strategy", "dp+tp",
-                                        "--pipeline", "1f1b", "--microbatches", "4", "--pipeline-layers", "3,1"],
-    "pipeline=2,fsdp=2,tensor=2 interleaved": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
-                                               "--pipeline", "interleaved", "--microbatches", "4",
-                                               "--virtual-stages", "2"],
-    "context=2,fsdp=2,tensor=2 ring": ["--mesh", "context=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
-                                       "--context", "ring"],
-    "pipeline=2,context=2,tensor=2": ["--mesh", "pipeline=2,context=2,tensor=2", "--strategy", "tp",
-                                      "--pipeline", "1f1b", "--microbatches", "4", "--context", "ring"],
-    "manual data=2,tensor=4 sp": ["--mesh", "data=2,tensor=4", "--strategy", "dp+sp", "--manual"],
-    # Zero-bubble ZB-H1: the backward split into input (B) and weight (W) gradients.
-    "pipeline=4,data=2 zb1": ["--mesh", "pipeline=4,data=2", "--strategy", "dp", "--pipeline", "zb1",
-                              "--microbatches", "4"],
+    **{name: [*documented(command), *UNEVEN.get(name, [])] for name, command in DOCUMENTED.items()},
     "pipeline=2,fsdp=2,tensor=2 zb1": ["--mesh", "pipeline=2,fsdp=2,tensor=2", "--strategy", "fsdp+tp",
                                        "--pipeline", "zb1", "--microbatches", "4"],
     # Collective matmul and gradient buckets (the manual part's settings).
@@ -64,10 +87,10 @@ STRATEGIES = {
 # With the manual part's options on (the manual path without them: test_manual_tp, test_gradient_parity).
 COMMUNICATION = ["manual data=2,tensor=4 sp cm+buckets", "manual data=2,tensor=4 tp buckets", "manual data=8 buckets"]
 COMPOSED = [k for k in STRATEGIES if k not in ("single", "fsdp+tp", *COMMUNICATION)]
-# Checkpoint portability: saved under each, restored under the next other than one device, so every
-# strategy restores another's checkpoint; the sharded checkpoint of fsdp+tp also restores on one device.
+# Checkpoint portability: saved under each, restored under the next (the last under one device), so every
+# strategy restores another's checkpoint, and one device restores that of ZB-H1 (split over pipeline stages).
 PORTABLE = ["single", "fsdp+tp", "context=2,fsdp=2,tensor=2 ring", "pipeline=2,data=2,tensor=2 1f1b",
-            "manual data=2,tensor=4 sp"]
+            "manual data=2,tensor=4 sp", "pipeline=4,data=2 zb1"]
 
 
 RECIPE_PATH = RECIPES / "train_gpt.py"
@@ -84,12 +107,21 @@ def corpus(tmp_path_factory) -> list[str]:
     return ["--data.corpus", str(root), "--data.cache-dir", str(cache), "--data.val-percent", "20"]
 
 
+def train(corpus: list[str], out: Path, strategy: str, *extra: str) -> list[tuple[float, float]]:
+    """`recipes/train_gpt.py <flags>` through its `main` in this process; what it printed goes to
+    `out/printed.txt`. **Returns** its logged `(loss, grad_norm)` per step."""
+    args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        RECIPE.main(RECIPE.parse_flags(args))
+    (out / "printed.txt").write_text(printed.getvalue())
+    return logged(out)
+
+
 def run(corpus: list[str], out: Path, strategy: str, *extra: str, cache: tuple | None = None) -> list[float]:
-    """`python recipes/train_gpt.py <flags>` in a fresh process, as a user runs it (and apart from
-    the compiled programs this worker has accumulated: XLA:CPU in jax 0.12 has crashed compiling
-    in a long-lived test process what compiles fine in a new one); with `cache`
-    (`recipe_runs.subprocess_compile_cache`), the worker's own compilation cache. **Returns** its
-    logged `(loss, grad_norm)` per step."""
+    """`python recipes/train_gpt.py <flags>` in a fresh process (test_overlap's runs: its XLA flags
+    are set per process); with `cache` (`recipe_runs.subprocess_compile_cache`), the worker's own
+    compilation cache. **Returns** its logged `(loss, grad_norm)` per step."""
     args = [*MODEL, *RUN, *corpus, "--out-dir", str(out), *STRATEGIES[strategy], *extra]
     env, cache_flags = cache or (os.environ, [])
     # XLA_FLAGS comes from conftest.py: every compile at XLA:CPU's backend optimisation level 0.
@@ -113,7 +145,8 @@ _RUNS: dict[str, tuple[list[float], Path]] = {}
 def trained(strategy: str, corpus, tmp_path_factory) -> tuple[list[float], Path]:
     """One run per strategy, checkpointed after step 3, made once for all xdist workers (the
     first to need it runs it, in a folder they share): 6 steps on one device (the reference
-    every other run must reproduce), 5 under the others. **Returns** (losses, out dir)."""
+    every other run must reproduce), 5 under the others; a DOCUMENTED one also runs to its
+    end (TO_THE_END). **Returns** (losses, out dir)."""
     if strategy not in _RUNS:
         root = shared_dir(tmp_path_factory, "strategies")
         root.mkdir(exist_ok=True)
@@ -122,8 +155,8 @@ def trained(strategy: str, corpus, tmp_path_factory) -> tuple[list[float], Path]
             if not (out / "done").exists():
                 shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left
                 steps = "6" if strategy == "single" else "5"
-                run(corpus, out, strategy, "--steps", steps, "--checkpoint-every", "3",
-                    cache=subprocess_compile_cache(tmp_path_factory))
+                train(corpus, out, strategy, "--steps", steps, "--checkpoint-every", "3",
+                      *(TO_THE_END if strategy in DOCUMENTED else []))
                 (out / "done").touch()
         _RUNS[strategy] = logged(out), out
     return _RUNS[strategy]
@@ -131,8 +164,10 @@ def trained(strategy: str, corpus, tmp_path_factory) -> tuple[list[float], Path]
 
 @pytest.mark.parametrize("strategy", COMPOSED)
 def test_composed_strategies_train_like_one_device(strategy, corpus, tmp_path_factory):
-    losses, _ = trained(strategy, corpus, tmp_path_factory)
+    losses, out = trained(strategy, corpus, tmp_path_factory)
     np.testing.assert_allclose(losses, trained("single", corpus, tmp_path_factory)[0][:5], rtol=1e-5)
+    if strategy in DOCUMENTED:
+        check_ran_to_the_end(out, (out / "printed.txt").read_text(), steps=5)
 
 
 @pytest.mark.parametrize("on", COMMUNICATION)
@@ -146,24 +181,10 @@ def test_checkpoints_restore_under_any_strategy(saved, corpus, tmp_path, tmp_pat
     ref = trained("single", corpus, tmp_path_factory)[0]
     first, saved_dir = trained(saved, corpus, tmp_path_factory)
     np.testing.assert_allclose(first[:3], ref[:3], rtol=1e-5)
-    i = PORTABLE.index(saved)
-    after = [p for p in PORTABLE[i + 1:] + PORTABLE[:i] if p != "single"]
-    targets = [after[0], "single"] if i == 1 else [after[0]]
-    for target in targets:
-        out = tmp_path / target.replace(" ", "_")
-        shutil.copytree(saved_dir / "checkpoints" / "3", out / "checkpoints" / "3")  # the step-3 checkpoint only
-        resumed = run(corpus, out, target, "--steps", "6", "--resume", cache=subprocess_compile_cache(tmp_path_factory))
-        np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5, err_msg=f"saved under {saved}, resumed under {target}")
-
-
-def test_zero_bubble_checkpoint_restores_on_one_device(corpus, tmp_path, tmp_path_factory):
-    """The step-3 checkpoint of the ZB-H1 run continues on one device like the uninterrupted run."""
-    ref = trained("single", corpus, tmp_path_factory)[0]
-    _, saved_dir = trained("pipeline=4,data=2 zb1", corpus, tmp_path_factory)
-    shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
-    resumed = run(corpus, tmp_path, "single", "--steps", "6", "--resume",
-                  cache=subprocess_compile_cache(tmp_path_factory))
-    np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5)
+    target = PORTABLE[(PORTABLE.index(saved) + 1) % len(PORTABLE)]
+    shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")  # the step-3 checkpoint only
+    resumed = train(corpus, tmp_path, target, "--steps", "6", "--resume")
+    np.testing.assert_allclose(resumed, ref[3:], rtol=2e-5, err_msg=f"saved under {saved}, resumed under {target}")
 
 
 @pytest.mark.parametrize("flags, match", [
