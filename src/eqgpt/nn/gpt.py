@@ -136,7 +136,9 @@ class GPT(LanguageModel):
         new = object.__new__(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            object.__setattr__(new, f.name, value.replace(scan_layers=True, scan_unroll=1) if f.name == "config" else value)
+            if f.name == "config":
+                value = value.replace(scan_layers=True, scan_unroll=1)
+            object.__setattr__(new, f.name, value)
         return new
 
     def logical_sizes(self) -> dict[str, int]:

@@ -18,11 +18,11 @@ that is not a `LanguageModel` naming what it lacks:
 - `logits(h) -> [batch, seq, vocab]`: the output head.
 - `logical_sizes()`: each logical axis's size (and `seq_len`): what a mesh must divide.
 
-The rest have defaults a model overrides where it has more to say: `seq_len`
-(`None`: no limit), `moe` and `num_moe_layers` (`None`, `0`: dense),
-`run_blocks_with_stats` (no MoE statistics), `features_and_stats` and `features`
-(embed, blocks, norm), `scanned` (the model itself), `head_logits` (`logits`), and `head_matrix` (`None`: the loss takes the chunked head
-through `logits`; a matrix of `vocab_size` real rows is fused with the loss).
+The rest have defaults a model overrides where it has more to say: `seq_len` (`None`: no
+limit), `moe` and `num_moe_layers` (`None`, `0`: dense), `run_blocks_with_stats` (no MoE
+statistics), `features_and_stats` and `features` (embed, blocks, norm), `scanned` (the model
+itself), `head_logits` (`logits`), and `head_matrix` (`None`: the loss takes the chunked
+head through `logits`; a matrix of `vocab_size` real rows is fused with the loss).
 
 Nothing else is read: no config, no names of embedding or head modules. The width
 comes from `jax.eval_shape` of `embed`, the layer count from the arrays of `blocks`
