@@ -41,7 +41,9 @@ LAYOUTS = {
 
 # One case per family: each reads the batch its own way (sharded rows, sequence shards, layouts of
 # the context split, pipeline microbatches, expert dispatch, the manual path, ZeRO's blocks).
-FAMILIES = ["dp", "fsdp", "tp", "sp", "manual-tp", "manual-sp", "zero2-manual", "context-ring", "context-allgather",
+# "dp+fsdp+tp" stands for the automatic path's three splits (rows over data and fsdp, weights over
+# tensor): the partitioner reads the batch one way for all, so one mesh composing them checks them.
+FAMILIES = ["dp+fsdp+tp", "sp", "manual-tp", "manual-sp", "zero2-manual", "context-ring", "context-allgather",
             "context-ulysses", "pipeline-1f1b", "expert-data"]
 
 

@@ -51,6 +51,11 @@ def expected_keep(top_e, capacity):
     return keep
 
 
+def gpt(cfg):
+    """`GPT(cfg)` built in one program (eager, its initialisation compiles op by op)."""
+    return eqx.filter_jit(lambda k: eqgpt.nn.GPT(cfg, key=k))(jax.random.key(0))
+
+
 def make(key, **kw):
     moe = MoE(D, F, E, key=key, init_std=0.3, **kw)
     return moe, jax.random.normal(jax.random.fold_in(key, 1), (B, T, D))
@@ -65,17 +70,18 @@ def make(key, **kw):
 def test_moe_equals_dense_reading(kw):
     moe, x = make(jax.random.key(0), **kw)
     assert moe.capacity(T) == T  # nothing can drop
-    y, stats = moe.with_stats(x)
+    # Jitted: one program each, not a compile per eager op (the dense reading is a loop of them).
+    y, stats = eqx.filter_jit(MoE.with_stats)(moe, x)
     top_e = choices(moe, x)
-    np.testing.assert_array_equal(moe.route(x)[2], top_e)
-    np.testing.assert_allclose(y, dense_reading(moe, x, top_e), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(eqx.filter_jit(MoE.route)(moe, x)[2], top_e)
+    np.testing.assert_allclose(y, eqx.filter_jit(dense_reading)(moe, x, top_e), rtol=1e-5, atol=1e-6)
     assert float(stats.dropped) == 0 and float(stats.load.sum()) == B * T * moe.top_k
     r = jax.random.normal(jax.random.key(2), y.shape)
     loss = lambda m, x_, f: jnp.sum(f(m, x_) * r)  # noqa: E731
     params, rest = eqx.partition(moe, eqx.is_inexact_array)
-    gl = jax.grad(lambda p, x_: loss(eqx.combine(p, rest), x_, lambda m, v: m(v)), argnums=(0, 1))(params, x)
-    gr = jax.grad(lambda p, x_: loss(eqx.combine(p, rest), x_, lambda m, v: dense_reading(m, v, top_e)),
-                  argnums=(0, 1))(params, x)
+    gl = jax.jit(jax.grad(lambda p, x_: loss(eqx.combine(p, rest), x_, lambda m, v: m(v)), argnums=(0, 1)))(params, x)
+    gr = jax.jit(jax.grad(lambda p, x_: loss(eqx.combine(p, rest), x_, lambda m, v: dense_reading(m, v, top_e)),
+                          argnums=(0, 1)))(params, x)
     # Gradients reach ~20 here: fp32 sums of that size round at ~1e-6, whatever the order XLA picks.
     assert_trees_close(gl, gr, rtol=1e-5, atol=5e-6)
 
@@ -84,21 +90,21 @@ def test_dropped_tokens_follow_the_rule():
     moe, x = make(jax.random.key(3), top_k=2, capacity_factor=0.5)
     c = moe.capacity(T)
     assert c == 3  # ceil(0.5 * 10 * 2 / 4)
-    _, _, top_e, _ = moe.route(x)
-    slot = np.asarray(assign_slots(top_e, E, c))
+    _, _, top_e, _ = eqx.filter_jit(MoE.route)(moe, x)
+    slot = np.asarray(jax.jit(assign_slots, static_argnums=(1, 2))(top_e, E, c))
     keep = expected_keep(np.asarray(top_e), c)
     np.testing.assert_array_equal(slot != E * c, keep)
     assert not keep.all()
-    y, stats = moe.with_stats(x)
+    y, stats = eqx.filter_jit(MoE.with_stats)(moe, x)
     assert float(stats.dropped) == (~keep).sum()
-    np.testing.assert_allclose(y, dense_reading(moe, x, np.asarray(top_e), keep), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, eqx.filter_jit(dense_reading)(moe, x, np.asarray(top_e), keep), rtol=1e-5, atol=1e-6)
 
 
 def test_moe_model_loss_has_aux_terms_and_metrics():
     cfg = TINY.replace(moe=eqgpt.MoEConfig(num_experts=4, top_k=2, expert_dim=32))
-    model = eqgpt.nn.GPT(cfg, key=jax.random.key(0))
+    model = gpt(cfg)
     tok = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
-    loss, aux = eqgpt.nn.lm_loss(model, tok, tok)
+    loss, aux = eqx.filter_jit(eqgpt.nn.lm_loss)(model, tok, tok)
     extra = cfg.moe.aux_loss_weight * aux["moe_balance"] + cfg.moe.router_z_weight * aux["moe_router_z"]
     np.testing.assert_allclose(loss, aux["nll"] + extra, rtol=1e-6)
     assert aux["moe_load"].shape == (4,) and abs(float(aux["moe_load"].sum()) - 1) < 1e-6
@@ -114,15 +120,15 @@ def test_moe_config_errors(field, value, match):
 
 def test_every_nth_layer_is_moe_and_decodes_like_the_forward():
     cfg = TINY.replace(num_layers=4, moe=eqgpt.MoEConfig(num_experts=4, top_k=1, every=2, capacity_factor=4.0))
-    model = eqgpt.nn.GPT(cfg, key=jax.random.key(0))
+    model = gpt(cfg)
     first, second = model.blocks.layers
     assert not isinstance(first.mlp, MoE) and isinstance(second.mlp, MoE)
     assert second.mlp.experts.up.shape[0] == 2  # two groups of (dense, MoE)
     tok = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
-    _, aux = eqgpt.nn.lm_loss(model, tok, tok)
+    _, aux = eqx.filter_jit(eqgpt.nn.lm_loss)(model, tok, tok)
     assert abs(float(aux["moe_load"].sum()) - 1) < 1e-6
-    logits, _ = model.decode(tok, model.init_cache(2, 16), 0)
-    np.testing.assert_allclose(logits, model(tok), rtol=1e-5, atol=1e-5)
+    logits, _ = eqx.filter_jit(lambda m, t: m.decode(t, m.init_cache(2, 16), 0))(model, tok)
+    np.testing.assert_allclose(logits, eqx.filter_jit(lambda m, t: m(t))(model, tok), rtol=1e-5, atol=1e-5)
 
 
 def test_dropless_dispatch_differentiates_into_gathers_not_scatters():

@@ -33,21 +33,23 @@ OPTIMIZER = make_optimizer(1e-3, clip_norm=0.5, weight_decay=0.1)
 
 
 @functools.cache
-def run(mesh: str, rules: str, zero: int = 0, manual: bool = False):
-    """5 steps of `make_train_step`: losses, final arrays, compiled step, strategy, start state."""
-    strategy = ParallelFlags.parse(mesh, rules, zero=zero, manual=manual)
+def run(mesh: str, rules: str, zero: int = 0, manual: bool = False, pipeline: str | None = None):
+    """5 steps of `make_train_step`: losses, final arrays, compiled step, strategy, final state
+    (`pipeline`: that schedule over 2 microbatches)."""
+    pipe = dict(pipeline=pipeline, microbatches=2) if pipeline else {}
+    strategy = ParallelFlags.parse(mesh, rules, zero=zero, manual=manual, **pipe)
     model = strategy.init_model(lambda k: nn.GPT(CONFIG, key=k), jax.random.key(0))
     state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(1))
     step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
     data = [strategy.batch(b) for b in batches()]
     compiled = step.lower(state, data[0]).compile(OPTIONS)
-    start, losses = state, []
+    losses = []
     for b in data:
         state, metrics = compiled(state, b)
         losses.append(float(metrics["loss"]))
     arrays = {par.path_str(p): np.asarray(x)
               for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(state.model, eqx.is_array))[0]}
-    return losses, arrays, compiled, strategy, start
+    return losses, arrays, compiled, strategy, state
 
 
 def nbytes(tree, per_device: bool):
@@ -71,25 +73,10 @@ def test_zero2_with_tensor_parallelism_trains_like_data_parallelism():
     assert_same_training(run("data=8", "dp"), run("data=4,tensor=2", "dp+tp", 2), 1e-5, steps=None, atol=4e-6)
 
 
-@functools.cache
-def pipeline_run(zero: int):
-    strategy = ParallelFlags.parse("pipeline=2,data=4", "dp", pipeline="1f1b", microbatches=2, zero=zero)
-    model = strategy.init_model(lambda k: nn.GPT(CONFIG, key=k), jax.random.key(0))
-    state = TrainState(model, strategy.init_opt_state(OPTIMIZER, model), rng=jax.random.key(1))
-    step = make_train_step(OPTIMIZER, strategy=strategy, model_like=model, donate=False)
-    losses = []
-    for b in batches():
-        state, metrics = step(state, strategy.batch(b))
-        losses.append(float(metrics["loss"]))
-    arrays = {par.path_str(p): np.asarray(x)
-              for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(state.model, eqx.is_array))[0]}
-    return losses, arrays, state
-
-
 def test_zero2_with_the_pipeline_trains_like_the_pipeline():
-    ref, out = pipeline_run(0), pipeline_run(2)
+    ref, out = run("pipeline=2,data=4", "dp", 0, pipeline="1f1b"), run("pipeline=2,data=4", "dp", 2, pipeline="1f1b")
     assert_same_training(ref, out, 1e-5, steps=None)
-    mu = out[2].opt_state[1][0].mu
+    mu = out[4].opt_state[1][0].mu
     for m in jax.tree.leaves(mu):  # every moment split over data=4 (the layer stacks also over pipeline=2)
         assert m.addressable_shards[0].data.size * 4 <= m.size
 
