@@ -20,6 +20,7 @@ import pytest
 import references as ref
 from eqgpt import nn
 from eqgpt.nn.rope import apply_rope, rope_angles
+from eqgpt.parallel import Part, Strategy
 from eqgpt.train.optim import clip_by_global_norm, make_lr_schedule
 from helpers import assert_within, rel_err
 
@@ -67,18 +68,39 @@ def test_norms_with_an_eps_that_matters():
     assert_within(rel_err(nn.RMSNorm(8, eps=eps)(jnp.asarray(x)), rms), TOL, "RMSNorm")
 
 
-def stepped(clip, grads):
-    """Minus the update one `make_train_step` applies with `chain(clip, sgd(1))` to zero parameters
-    whose gradients are `grads`: the clipped gradients, as the trainer's optimizer stage makes them."""
+def stepped(clip, grads, norm=None, after=None):
+    """Minus the update one `make_train_step` applies with `chain(clip, after, sgd(1))` to zero
+    parameters whose gradients are `grads`: the clipped gradients, as the trainer's optimizer stage
+    makes them (`after`, if given, transforms them first; `norm`, if given, is the norm a strategy
+    part hands the update, as ZeRO hands its block norm)."""
     from eqgpt.data.batch import Batch
     from eqgpt.train import TrainState, make_train_step
 
     params = jax.tree.map(jnp.zeros_like, grads)
-    optimizer = optax.chain(clip, optax.sgd(1.0))
-    step = make_train_step(optimizer, grad_fn=lambda model, batch: ((jnp.float32(0), {}), grads), donate=False)
+    optimizer = optax.chain(clip, *([after] if after else []), optax.sgd(1.0))
+    step = make_train_step(optimizer, strategy=Strategy(parts=(GivenGradients(grads, norm),)), donate=False)
     state, _ = step(TrainState(params, optimizer.init(params), rng=jax.random.key(0)),
                     Batch.from_windows(np.zeros((1, 2), np.int32)))
     return jax.tree.map(jnp.negative, state.model)
+
+
+class GivenGradients(Part):
+    """A part whose gradients are `grads` and whose optimizer update, given a `norm`, reads it
+    through `norm_fn` (the optax extra argument ZeRO's update passes)."""
+
+    name = "given-gradients"
+    needs_mesh = False
+
+    def __init__(self, grads, norm: float | None = None):
+        self.grads, self.norm = grads, norm
+
+    def grad_fn(self, strategy, policy, **_):
+        return lambda model, batch: ((jnp.float32(0), {}), self.grads)
+
+    def update(self, strategy, update):
+        if self.norm is None:
+            return update
+        return lambda *args, **extra: update(*args, **extra, norm_fn=lambda tree: jnp.float32(self.norm))
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0], ids=["clips", "passes"])
@@ -97,19 +119,20 @@ def test_clip_by_global_norm(max_norm):
 def test_clip_scales_as_optax_does_and_reads_the_norm_it_is_given(max_norm):
     """Through the training step, bitwise optax's scaling (the docstring's promise), also where the
     norm equals `max_norm` exactly (|(12, 35)| = 37: optax scales by 37/37, which rounds 12 to
-    11.999999). The transformation alone, for what a one-device step cannot show: the norm comes
-    from `norm_fn` when one is given (ZeRO's block norm; its training parity is test_gradient_parity's),
-    the state is optax's, and gradients keep their dtype."""
+    11.999999). The norm comes from `norm_fn` when a strategy part's update gives one (ZeRO's block
+    norm; its training parity is test_gradient_parity's), the state is optax's, and gradients keep their
+    dtype."""
     grads = {"a": jnp.asarray([12.0, 35.0]), "b": jnp.zeros((2,))}
     ours, theirs = clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
     for g, w in zip(jax.tree.leaves(stepped(ours, grads)), jax.tree.leaves(stepped(theirs, grads)), strict=True):
         np.testing.assert_array_equal(g, w)
-    halved, _ = ours.update(grads, ours.init(grads), norm_fn=lambda tree: jnp.float32(2 * max_norm))
+    halved = stepped(ours, grads, norm=2 * max_norm)
     np.testing.assert_allclose(halved["a"], [6.0, 17.5], rtol=1e-6)
     assert ours.init(grads) == theirs.init(grads)  # the same (empty) state: checkpoints stay interchangeable
     low = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
-    clipped, _ = ours.update(low, ours.init(low))
-    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(clipped))  # gradients keep their dtype
+    # The stage after the clip turns each gradient into 1 where it is still bf16 (dtypes are static).
+    kept = optax.stateless(lambda u, p: jax.tree.map(lambda g: jnp.full_like(g, g.dtype == jnp.bfloat16), u))
+    assert all(np.all(np.asarray(g) == 1) for g in jax.tree.leaves(stepped(ours, low, after=kept)))  # dtype kept
 
 
 def test_schedule_defaults_and_bad_settings():
