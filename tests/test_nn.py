@@ -118,6 +118,17 @@ def test_remat_policies_give_the_same_gradients(remat):
     assert_trees_close(_remat_grads("none"), _remat_grads(remat), rtol=1e-5, atol=1e-7)
 
 
+def test_with_fields_changes_the_named_fields_and_shares_the_rest():
+    from eqgpt.tree import with_fields
+
+    layer = nn.Linear(4, 3, axes=("embed", "mlp"), key=jax.random.key(0))
+    quant = object()  # any value: with_fields runs no __init__ and no check
+    new = with_fields(layer, quant=quant)
+    assert new.quant is quant and new.weight is layer.weight and layer.quant is not quant
+    with pytest.raises(TypeError, match=r"Linear has no fields \['quantize'\]"):
+        with_fields(layer, quantize=None)
+
+
 def test_unrolled_layers_equal_the_scan_and_leave_no_loop():
     toks = tokens(jax.random.key(1))
     loss = lambda m: nn.lm_loss(m, toks, jnp.roll(toks, -1, 1))[0]  # noqa: E731

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,6 +13,7 @@ from eqgpt.nn.kernels import Kernel, get_kernel
 from eqgpt.nn.linear import Linear
 from eqgpt.nn.mask import CausalMask, Mask
 from eqgpt.nn.rope import apply_rope
+from eqgpt.tree import with_fields
 
 
 class KVCache(eqx.Module):
@@ -126,10 +125,7 @@ class Attention(eqx.Module):
     def with_kernel(self, kernel: str | Kernel) -> Attention:
         """This module with another kernel (a name or a callable); the arrays are the same objects."""
         get_kernel(kernel)
-        new = object.__new__(type(self))
-        for f in dataclasses.fields(self):
-            object.__setattr__(new, f.name, kernel if f.name == "kernel" else getattr(self, f.name))
-        return new
+        return with_fields(self, kernel=kernel)
 
     def output(self, o: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch out_seq embed"]:
         """Merge heads and apply the output projection (`out_seq` is `seq`, or under manual

@@ -7,7 +7,6 @@ The layers are one `Block` whose arrays carry a leading `layers` axis, built wit
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -29,6 +28,7 @@ from eqgpt.nn.mlp import MLP, SwiGLU
 from eqgpt.nn.moe import MoE, MoEStats
 from eqgpt.nn.norm import LayerNorm, RMSNorm, make_norm
 from eqgpt.nn.protocol import LanguageModel
+from eqgpt.tree import with_fields
 
 
 def layers_per_block(config: GPTConfig) -> int:
@@ -133,13 +133,7 @@ class GPT(LanguageModel):
         arrays are the same objects. Validation and sampling in the recipe run it."""
         if self.config.scan_layers and self.config.scan_unroll == 1:
             return self
-        new = object.__new__(type(self))
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "config":
-                value = value.replace(scan_layers=True, scan_unroll=1)
-            object.__setattr__(new, f.name, value)
-        return new
+        return with_fields(self, config=self.config.replace(scan_layers=True, scan_unroll=1))
 
     def logical_sizes(self) -> dict[str, int]:
         """The size of each logical axis of the model's arrays, and `seq_len` (`GPTConfig.logical_sizes`)."""

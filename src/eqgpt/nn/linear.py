@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,6 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqgpt.nn.axes import AxisNames
 from eqgpt.nn.quant import Int8, int8_matmul
+from eqgpt.tree import with_fields
 
 
 def matmul_2d(x: Float[Array, "*batch k"], w: Float[Array, "k n"],
@@ -88,10 +87,7 @@ class Linear(eqx.Module):
 
     def with_quant(self, quant: Int8 | None) -> Linear:
         """This layer with another `quant` setting; the arrays are the same objects."""
-        new = object.__new__(type(self))
-        for f in dataclasses.fields(self):
-            object.__setattr__(new, f.name, quant if f.name == "quant" else getattr(self, f.name))
-        return new
+        return with_fields(self, quant=quant)
 
     def param_axes(self) -> dict[str, AxisNames]:
         return {"weight": self.axes, "bias": (self.axes[1],)}
