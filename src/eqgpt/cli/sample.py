@@ -122,7 +122,7 @@ def main(cfg: SampleConfig) -> list[str]:
     except ValueError as e:
         hint = " On a CPU, --cpu-devices N simulates N devices." if "devices" in str(e) and not cfg.cpu_devices else ""
         raise ValueError(f"--mesh {cfg.mesh}: {e}{hint}") from None
-    model = load_sampled_model(cfg, strategy)
+    model = load_sampled_model(cfg, strategy).scanned()  # as the trainer's samples: one program for both
     try:
         tok = load_tokenizer(cfg.tokenizer or (cfg.hf or cfg.run_dir))
     except (ValueError, OSError) as e:
