@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import eqgpt
+from eqgpt.profile.compiles import CompileLog
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SMALL = eqgpt.preset("nano", seq_len=32)  # big enough that norms and biases stay under 5% of the bytes
@@ -85,13 +86,15 @@ def test_train_gpt_estimate_flag_prints_estimate_next_to_compiled(tmp_path, caps
     from recipe_runs import TINY, load_recipe, run_recipe, write_documents
 
     corpus = write_documents(tmp_path / "docs")
-    args = [*TINY, "--data.corpus", str(corpus), "--data.cache-dir", str(tmp_path / "cache"), "--steps", "1",
-            "--eval-windows", "0", "--mesh", "fsdp=8", "--strategy", "fsdp", "--estimate",
+    args = [*TINY, "--data.corpus", str(corpus), "--data.cache-dir", str(tmp_path / "cache"), "--steps", "2",
+            "--eval-windows", "0", "--mesh", "fsdp=8", "--strategy", "fsdp", "--estimate", "--report",
             "--out-dir", str(tmp_path / "run")]
-    run_recipe(load_recipe(), args)
+    with CompileLog() as log:
+        run_recipe(load_recipe(), args)
     out = capsys.readouterr().out
-    first, compared = out.index("estimate MiB"), out.index("compiled MiB")  # the estimate comes before compiling
+    first, compared = out.index("estimate MiB"), out.index("compiled MiB")  # the estimate comes first
     assert first < compared and "ratio" in out[compared:]
+    assert log.counts["step"] == 1, dict(log.counts)  # --report and --estimate read the step the run trains with
 
 
 def test_docs_figures_are_drawn_from_the_code(tmp_path, monkeypatch):

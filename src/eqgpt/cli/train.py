@@ -397,7 +397,7 @@ def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Polic
     shardings differently from the placed one."""
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
-    if cfg.data.mode != "windows" or cfg.report or cfg.estimate:
+    if cfg.data.mode != "windows":
         return step_fn
     windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
     return compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
@@ -469,7 +469,9 @@ def main(cfg: TrainConfig) -> dict:
                  notes=schedule_notes(cfg, resumed, int(state.step), plan))
     write_run_config(cfg, model_cfg, out, corpus, int(state.step), plan)
     checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
-    print_evidence(lambda: step_fn.lower(state, strategy.batch(loader.local_batch(0))), strategy, policy, model_cfg,
+    program = lambda: (step_fn.lower(state, strategy.batch(loader.local_batch(0))).compile()  # noqa: E731
+                       if hasattr(step_fn, "lower") else step_fn)  # compiled already: --report reads that very step
+    print_evidence(program, strategy, policy, model_cfg,
                    cfg.batch_size, show_report=cfg.report, show_estimate=cfg.estimate, log=log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))
