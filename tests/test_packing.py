@@ -150,6 +150,7 @@ def test_pipeline_and_manual_paths_refuse_per_row_positions(flags):
 
 def test_packed_recipe_resumes_bitwise(tmp_path):
     """train_gpt.py --data.mode packed: 8 straight steps == 4 steps + checkpoint + --resume 4 steps."""
+    from eqgpt.profile.compiles import CompileLog
     from recipe_runs import TINY, load_recipe, run_recipe, write_documents
 
     recipe = load_recipe()
@@ -157,7 +158,9 @@ def test_packed_recipe_resumes_bitwise(tmp_path):
     common = [*TINY, "--eval-windows", "0", "--data.corpus", str(corpus), "--data.cache-dir", str(tmp_path / "cache"),
               "--data.val-percent", "20", "--data.mode", "packed", "--seed", "1"]
     loss = lambda rows: [r["loss"] for r in rows if "loss" in r]  # noqa: E731
-    straight = loss(run_recipe(recipe, [*common, "--steps", "8", "--out-dir", str(tmp_path / "a")]))
+    with CompileLog() as log:
+        straight = loss(run_recipe(recipe, [*common, "--steps", "8", "--out-dir", str(tmp_path / "a")]))
+    assert log.counts["step"] == 1, dict(log.counts)  # packed batches too: one program for every step
     first = loss(run_recipe(recipe, [*common, "--steps", "4", "--checkpoint-every", "4",
                                      "--out-dir", str(tmp_path / "b")]))
     resumed = loss(run_recipe(recipe, [*common, "--steps", "8", "--checkpoint-every", "4", "--resume",

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import jax
-import numpy as np
 import tyro
 
 import eqgpt
@@ -390,17 +389,16 @@ def corpus_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig):
     return corpus, model_cfg
 
 
-def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Policy, model_like, model_cfg, state,
-                  compiled):
-    """The training step: compiled once for `windows` batches (`compiled`, from `fit_batch`, when it has one),
-    jitted otherwise. Under jit the step would compile again at step 2, as the state it returns spells its
-    shardings differently from the placed one."""
+def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Policy, model_like, state, compiled,
+                  batch: Batch):
+    """The training step compiled once, for batches shaped as `batch` (the loader's first): `compiled`, from
+    `fit_batch`, when it has one for `windows` batches. Under jit the step would compile again at step 2, as
+    the state it returns spells its shardings differently from the placed one."""
+    if compiled is not None and cfg.data.mode == "windows":
+        return compiled
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
-    if cfg.data.mode != "windows":
-        return step_fn
-    windows = np.zeros((cfg.batch_size // jax.process_count(), model_cfg.seq_len + 1), np.int32)
-    return compiled or step_fn.lower(state, strategy.batch(Batch.from_windows(windows))).compile()
+    return step_fn.lower(state, strategy.batch(batch)).compile()
 
 
 def sampler_of(cfg: TrainConfig, corpus, model_cfg: eqgpt.GPTConfig):
@@ -462,16 +460,15 @@ def main(cfg: TrainConfig) -> dict:
     restored = restore_run(resumed and checkpoint_dir_of(cfg, resumed), state, loader, resume_check(
         cfg, model_cfg, corpus, log), log, strict=cfg.strict, allow_fresh=cfg.allow_fresh)
     state, seconds = (state, 0.0) if restored is None else (restored.state, float(restored.extras.get("seconds", 0)))
-    step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, model_cfg, state, compiled)
+    step_fn = compiled_step(cfg, optimizer, strategy, policy, model_like, state, compiled,
+                            batch=loader.source.local_batch(0))
     # Every check has passed: only now is anything written (a refused run leaves no file and no directory).
     out, leave, forget = open_run(cfg, resumed)
     describe_run(cfg, out, compile_cache, strategy, model_like, model_cfg, corpus, log,
                  notes=schedule_notes(cfg, resumed, int(state.step), plan))
     write_run_config(cfg, model_cfg, out, corpus, int(state.step), plan)
     checkpointer = make_checkpointer(cfg, model_cfg, out, corpus)
-    program = lambda: (step_fn.lower(state, strategy.batch(loader.local_batch(0))).compile()  # noqa: E731
-                       if hasattr(step_fn, "lower") else step_fn)  # compiled already: --report reads that very step
-    print_evidence(program, strategy, policy, model_cfg,
+    print_evidence(step_fn, strategy, policy, model_cfg,
                    cfg.batch_size, show_report=cfg.report, show_estimate=cfg.estimate, log=log)
     peak, peak_source = (cfg.peak_flops, "--peak-flops") if cfg.peak_flops else peak_flops()
     log(model_line(cfg, model_cfg, model_like, policy, corpus, strategy, f"{peak / 1e9:.0f} GFLOP/s ({peak_source})"))

@@ -52,22 +52,21 @@ def report(compiled: Any, *, mesh: Any = None, by_phase: bool = True, title: str
     )
 
 
-def print_evidence(compiled: Callable[[], Any], strategy: Any, policy: Any, config: GPTConfig, batch: int, *,
+def print_evidence(compiled: Any, strategy: Any, policy: Any, config: GPTConfig, batch: int, *,
                    show_report: bool, show_estimate: bool, log: Callable[[str], None]) -> None:
-    """`show_report` (--report): the step's collectives and memory per device, read from `compiled()` (the
-    step the run trains with, a `jax.stages.Compiled`; called only when asked); `show_estimate` (--estimate):
-    the predicted bytes per device (`estimate`, from the config alone), then beside the compiled step's."""
+    """`show_report` (--report): the step's collectives and memory per device, read from `compiled` (the
+    step the run trains with, compiled); `show_estimate` (--estimate): the predicted bytes per device
+    (`estimate`, from the config alone), then beside the compiled step's."""
     if not (show_report or show_estimate):
         return
     predicted = estimate(config, strategy=strategy, batch=batch, policy=policy) if show_estimate else None
     if predicted is not None:
         log(predicted.table(title=f"{strategy.describe()}: estimated memory per device (from the config alone)"))
-    program = compiled()
     if show_report:
-        log(report(program, mesh=strategy.mesh, title=strategy.describe()))
-        log(schedule_table(program, mesh=strategy.mesh, title=f"{strategy.describe()}: exposed vs overlappable"))
+        log(report(compiled, mesh=strategy.mesh, title=strategy.describe()))
+        log(schedule_table(compiled, mesh=strategy.mesh, title=f"{strategy.describe()}: exposed vs overlappable"))
     if predicted is not None:
-        log(predicted.table(program, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
+        log(predicted.table(compiled, title=f"{strategy.describe()}: estimate vs compiled memory per device"))
 
 
 __all__ = [
