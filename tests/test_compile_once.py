@@ -62,3 +62,30 @@ def test_eqgpt_sample_reads_the_program_the_trainer_compiled(tmp_path_factory, t
     assert out.count("--- sample") == 2
     entries = [p.name for p in (tmp_path / "cache" / "xla").iterdir() if "generate_rows" in p.name]
     assert len([e for e in entries if not e.endswith("-atime")]) == 1, entries
+
+
+@pytest.mark.parametrize("mesh", [None, "data=2,fsdp=2,tensor=2"])
+def test_make_train_step_compiles_once_from_a_fresh_state(mesh):
+    """A user's loop: a freshly built state (uncommitted key and counters, placed specs with trailing
+    `None`s) and three steps of the jitted `make_train_step`: one program. Without `Strategy.settle`
+    the second step compiled again, as the state the first returned spelled its layout differently."""
+    import jax
+    import numpy as np
+
+    import eqgpt
+    from eqgpt.data import Batch
+    from eqgpt.parallel import ParallelFlags
+    from eqgpt.train import Strategy, TrainState, make_lr_schedule, make_optimizer, make_train_step
+
+    strategy = ParallelFlags.parse(mesh, "dp+fsdp+tp") if mesh else Strategy()
+    optimizer = make_optimizer(make_lr_schedule(1e-3, total_steps=10, warmup_steps=0))
+    model = strategy.place_model(eqgpt.nn.GPT(eqgpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, num_heads=2,
+                                                              embed_dim=16), key=jax.random.key(0)))
+    state = TrainState(model, strategy.init_opt_state(optimizer, model), rng=jax.random.key(0))
+    step = make_train_step(optimizer, strategy=strategy, model_like=model)
+    batch = strategy.batch(Batch.from_windows(np.arange(8 * 17, dtype=np.int32).reshape(8, 17) % 64))
+    with CompileLog() as log:
+        for _ in range(3):
+            state, metrics = step(state, batch)
+    assert log.counts["step"] == 1, dict(log.counts)
+    assert np.isfinite(float(metrics["loss"]))

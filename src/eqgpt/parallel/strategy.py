@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PRNGKeyArray, PyTree
 
 from eqgpt.data.batch import Batch
@@ -254,6 +254,28 @@ class Strategy:
     def on_device(self, model: PyTree) -> PyTree:
         """Outside `jit`: the model with its arrays in device memory (to sample from or export)."""
         return self._move(model, "params", _place_in, "device")
+
+    def settle(self, tree: PyTree) -> PyTree:
+        """Outside `jit`: `tree`'s arrays laid out as a compiled step returns them, so that one program serves
+        the first step and every later one. Uncommitted arrays (a fresh key, a step counter) are committed:
+        replicated over the mesh, or where they are; a `NamedSharding` is spelled without trailing `None`s.
+        Arrays already so laid out are returned as they are."""
+        whole = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+        def one(x):
+            if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                return x
+            if not x.committed:
+                return jax.device_put(x, whole or x.sharding)
+            s = x.sharding
+            if isinstance(s, NamedSharding) and s.spec and s.spec[-1] is None:
+                spec = list(s.spec)
+                while spec and spec[-1] is None:
+                    spec.pop()
+                return jax.device_put(x, NamedSharding(s.mesh, PartitionSpec(*spec), memory_kind=s.memory_kind))
+            return x
+
+        return jax.tree.map(one, tree)
 
     def batch(self, local: PyTree) -> PyTree:
         """Global arrays from this process's rows (a `Batch`): rows split as the strategy's loss expects."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -145,7 +146,25 @@ def make_train_step(
     # Offloaded arrays are not donated: jax 0.10 aborts aliasing a pinned_host input
     # buffer to the step's output, so under offload the step donates nothing.
     donate = donate and strategy.part(Offload) is None
-    return eqx.filter_jit(step, donate="all" if donate else "none")
+    return TrainStep(eqx.filter_jit(step, donate="all" if donate else "none"), strategy, donate)
+
+
+class TrainStep:
+    """`make_train_step`'s step: `step(state, batch)` and `step.lower(state, batch)` run the jitted step on
+    the state as `Strategy.settle` lays it out, the layout the step returns, so that the first call and
+    every later one share one program (a fresh state's uncommitted or differently spelled arrays would
+    compile a second). `__wrapped__` is the traced body; `donate_first`, whether the state is donated."""
+
+    def __init__(self, jitted: Any, strategy: Strategy, donate: bool):
+        self._jitted, self._strategy, self.donate_first = jitted, strategy, donate
+        self.__wrapped__ = jitted.__wrapped__
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Array]]:
+        return self._jitted(self._strategy.settle(state), batch)
+
+    def lower(self, state: TrainState, batch: Batch) -> Any:
+        """The step lowered for `state` and `batch` (`.compile()` gives the program the recipe runs)."""
+        return self._jitted.lower(self._strategy.settle(state), batch)
 
 
 def lower_from_shapes(step_fn: Callable, state: TrainState, batch: Batch) -> jax.stages.Lowered:
