@@ -1,0 +1,149 @@
+"""Why does the recipe's training step compile slower than `compile_time.py --layer-choices`'s?
+
+Both compile one chip's bf16 step for the same model and batch; they differ in how the step is
+built. Each variant below starts from the benchmark's step and takes one of the recipe's
+choices (or all of them), and compiles in a fresh process. Printed: trace+lower seconds, the
+XLA compile's wall seconds and the process's CPU seconds during it (every thread), and whether
+the attention is the TPU kernel (`tpu_custom_call` in the HLO).
+
+- `opt`: `plain` (`make_optimizer(make_lr_schedule(...))`, the benchmark's) or `recipe`
+  (`eqgpt.cli.train.optimizer_of` of the recipe's default flags).
+- `strategy`: `none` (`make_train_step`'s default) or `single` (`ParallelFlags().strategy()`,
+  what `strategy_of` gives the recipe on one device) or `mesh1` (a one-device mesh, as eqgpt-plan).
+- `model_like`: whether `make_train_step` gets the model's shapes.
+- `state`: `bench` (the benchmark's `TrainState`) or `recipe` (`eqgpt.train.initial_state`).
+
+On a real accelerator the state and batch are placed arrays (`step.lower(state, batch)`);
+with `--topology v5e:1x1` they are shapes on libtpu's compile-only devices (CPU host).
+
+    python benchmarks/compile_diff.py --layers 3 --topology v5e:1x1       # CPU host
+    python benchmarks/compile_diff.py --layers 12                          # on the v5e
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = {  # name -> (opt, strategy, model_like, state)
+    "bench": ("plain", "none", False, "bench"),
+    "+opt": ("recipe", "none", False, "bench"),
+    "+strategy": ("plain", "single", False, "bench"),
+    "+model_like": ("plain", "none", True, "bench"),
+    "+state": ("plain", "none", False, "recipe"),
+    "recipe": ("recipe", "single", True, "recipe"),
+    "plan": ("recipe", "mesh1", True, "recipe"),
+}
+
+
+def run_variant(name: str, preset: str, layers: int, batch: int, topology: str | None) -> dict:
+    """Compile variant `name`'s step in this process (JAX not yet initialised); **returns** its figures."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    import eqgpt
+    from eqgpt.cli.train import TrainConfig, optimizer_of
+    from eqgpt.data import Batch
+    from eqgpt.nn import GPT
+    from eqgpt.nn.kernels.platform import compiling_for
+    from eqgpt.parallel import ParallelFlags, Strategy
+    from eqgpt.parallel.mesh import make_mesh
+    from eqgpt.train import Policy, TrainState, make_lr_schedule, make_optimizer, make_train_step
+    from eqgpt.train.state import initial_state
+    from eqgpt.train.step import lower_from_shapes
+
+    opt, strat, give_like, state_kind = VARIANTS[name]
+    if topology:
+        from jax.experimental import topologies
+
+        device = topologies.get_topology_desc(topology, "tpu", chips_per_host_bounds=(1, 1, 1)).devices[0]
+    else:
+        device = jax.devices()[0]
+    platform = device.platform
+    with compiling_for(platform):  # the target's kernels (and `auto`'s choice) on a compile-only host
+        config = eqgpt.preset(preset, num_layers=layers or None, scan_layers=False)
+        policy = Policy.named("bf16")
+        if opt == "plain":
+            optimizer = policy.optimizer(make_optimizer(make_lr_schedule(1e-4, total_steps=1000, warmup_steps=10)))
+        else:
+            optimizer, _ = optimizer_of(TrainConfig(precision="bf16", steps=30), policy)
+        strategy = {"none": None, "single": ParallelFlags().strategy(),
+                    "mesh1": Strategy(make_mesh("data=-1", [device]), "dp")}[strat]
+        make_model = lambda k: policy.cast_to_param(GPT(config, key=k))  # noqa: E731
+        model_like = jax.eval_shape(make_model, jax.random.key(0))
+        if state_kind == "bench":
+            make_state = lambda k: TrainState(*(lambda m: (m, optimizer.init(eqx.filter(m, eqx.is_array))))(  # noqa: E731
+                make_model(k)), rng=k, loss_scale=policy.loss_scale_state())
+        else:
+            make_state = lambda k: initial_state(optimizer, strategy or Strategy(), policy, make_model, 0)  # noqa: E731
+        windows = np.zeros((batch, config.seq_len + 1), np.int32)
+        step = make_train_step(optimizer, strategy=strategy, policy=policy,
+                               model_like=model_like if give_like else None)
+        t0 = time.perf_counter()
+        if topology:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
+            leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+            state = jax.tree.map(place, eqx.filter_eval_shape(make_state, jax.random.key(0)), is_leaf=leaf)
+            batch_in = jax.tree.map(place, jax.eval_shape(Batch.from_windows, windows), is_leaf=leaf)
+            lowered = lower_from_shapes(step, state, batch_in)
+        else:
+            state = make_state(jax.random.key(0)) if state_kind == "recipe" else eqx.filter_jit(make_state)(
+                jax.random.key(0))
+            jax.block_until_ready(state)
+            batch_in = (strategy or Strategy()).batch(Batch.from_windows(windows))
+            t0 = time.perf_counter()
+            lowered = step.lower(state, batch_in)
+    t_lower, cpu0 = time.perf_counter(), time.process_time()
+    compiled = lowered.compile()
+    t_compile, cpu = time.perf_counter(), time.process_time() - cpu0
+    hlo = compiled.as_text() or ""
+    return {"lower": t_lower - t0, "compile": t_compile - t_lower, "compile_cpu": cpu,
+            "tpu_kernel": "tpu_custom_call" in hlo, "platform": f"compile-only {topology}" if topology else platform}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS), type=lambda v: v.split(","),
+                   help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--preset", default="gpt2-small")
+    p.add_argument("--layers", type=int, default=0, help="unrolled layers (default: the preset's)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--topology", default=None, help="compile for this TPU on a CPU host, e.g. v5e:1x1")
+    p.add_argument("--run-variant", default=None, help=argparse.SUPPRESS)  # internal: one variant here
+    args = p.parse_args(argv)
+    if args.run_variant:
+        print(json.dumps(run_variant(args.run_variant, args.preset, args.layers, args.batch, args.topology)))
+        return 0
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    print(f"{args.preset}, {args.layers or 'all'} layers unrolled, batch {args.batch}, bf16: the training step, "
+          f"a cold compile per variant in a fresh process (load average {os.getloadavg()[0]:.1f})")
+    print(f"{'variant':<12} {'opt':<7} {'strategy':<8} {'like':<5} {'state':<7} {'lower s':>8} {'compile s':>9} "
+          f"{'compile CPU s':>13}  kernel")
+    for name in args.variants:
+        cmd = [sys.executable, __file__, "--run-variant", name, "--preset", args.preset, "--layers", str(args.layers),
+               "--batch", str(args.batch)] + (["--topology", args.topology] if args.topology else [])
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        env["EQGPT_NO_COMPILE_CACHE"] = "1"  # a cold compile
+        if args.topology:
+            env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if out.returncode:
+            raise RuntimeError(f"{name} failed:\n{out.stdout}{out.stderr[-4000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        o, s, like, st = VARIANTS[name]
+        print(f"{name:<12} {o:<7} {s:<8} {str(like):<5} {st:<7} {r['lower']:8.1f} {r['compile']:9.1f} "
+              f"{r['compile_cpu']:13.1f}  {'tpu_custom_call' if r['tpu_kernel'] else 'no Pallas call'} "
+              f"({r['platform']})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
