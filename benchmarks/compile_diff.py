@@ -12,6 +12,9 @@ the attention is the TPU kernel (`tpu_custom_call` in the HLO).
   what `strategy_of` gives the recipe on one device) or `mesh1` (a one-device mesh, as eqgpt-plan).
 - `model_like`: whether `make_train_step` gets the model's shapes.
 - `state`: `bench` (the benchmark's `TrainState`) or `recipe` (`eqgpt.train.initial_state`).
+- the process's environment: `+malloc` runs the benchmark's step with the glibc malloc settings
+  `eqgpt-train` restarts with (`eqgpt.launch.GLIBC_MALLOC_TUNABLES`), `+malloc-arena` with all
+  of them but `arena_max=1`; every other variant with glibc's defaults (`GLIBC_TUNABLES` unset).
 
 On a real accelerator the state and batch are placed arrays (`step.lower(state, batch)`);
 with `--topology v5e:1x1` they are shapes on libtpu's compile-only devices (CPU host).
@@ -27,17 +30,43 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from typing import NamedTuple
 
-VARIANTS = {  # name -> (opt, strategy, model_like, state)
-    "bench": ("plain", "none", False, "bench"),
-    "+opt": ("recipe", "none", False, "bench"),
-    "+strategy": ("plain", "single", False, "bench"),
-    "+model_like": ("plain", "none", True, "bench"),
-    "+state": ("plain", "none", False, "recipe"),
-    "recipe": ("recipe", "single", True, "recipe"),
-    "plan": ("recipe", "mesh1", True, "recipe"),
+
+class Variant(NamedTuple):
+    """How a step is built (the benchmark's choice first) and the process it compiles in."""
+
+    opt: str = "plain"  # or "recipe"
+    strategy: str = "none"  # or "single", "mesh1"
+    model_like: bool = False
+    state: str = "bench"  # or "recipe"
+    malloc: str = "default"  # GLIBC_TUNABLES: glibc's defaults, "eqgpt" (MALLOC_SETTINGS), "no-arena"
+    cache: bool = False  # JAX's persistent compilation cache on (an empty directory), as the recipe has it
+
+
+RECIPE = dict(opt="recipe", strategy="single", model_like=True, state="recipe")
+VARIANTS = {
+    "bench": Variant(),
+    "+opt": Variant(opt="recipe"),
+    "+strategy": Variant(strategy="single"),
+    "+model_like": Variant(model_like=True),
+    "+state": Variant(state="recipe"),
+    "+malloc": Variant(malloc="eqgpt"),
+    "+malloc-arena": Variant(malloc="no-arena"),
+    "+cache": Variant(cache=True),
+    "recipe": Variant(**RECIPE),
+    "recipe+env": Variant(**RECIPE, malloc="eqgpt", cache=True),
+    "plan": Variant(**{**RECIPE, "strategy": "mesh1"}),
 }
+
+# The glibc malloc settings eqgpt-train restarted with before this comparison (eqgpt.launch).
+MALLOC_SETTINGS = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184:"
+                   "glibc.malloc.arena_max=1")
+MALLOC = {"default": "", "eqgpt": MALLOC_SETTINGS,
+          "no-arena": MALLOC_SETTINGS.replace(":glibc.malloc.arena_max=1", "")}
+"""Variant.malloc -> GLIBC_TUNABLES ("" is glibc's defaults)."""
 
 
 def run_variant(name: str, preset: str, layers: int, batch: int, topology: str | None) -> dict:
@@ -57,7 +86,11 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
     from eqgpt.train.state import initial_state
     from eqgpt.train.step import lower_from_shapes
 
-    opt, strat, give_like, state_kind = VARIANTS[name]
+    v = VARIANTS[name]
+    opt, strat, give_like, state_kind = v.opt, v.strategy, v.model_like, v.state
+    if v.cache:  # as eqgpt.compile_cache.enable_compile_cache sets it, in an empty directory
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="compile_diff_"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if topology:
         from jax.experimental import topologies
 
@@ -91,7 +124,8 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
             leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
             state = jax.tree.map(place, eqx.filter_eval_shape(make_state, jax.random.key(0)), is_leaf=leaf)
             batch_in = jax.tree.map(place, jax.eval_shape(Batch.from_windows, windows), is_leaf=leaf)
-            lowered = lower_from_shapes(step, state, batch_in)
+            with jax.default_device(device):  # Pallas's Mosaic lowering reads the TPU's kind from it
+                lowered = lower_from_shapes(step, state, batch_in)
         else:
             state = make_state(jax.random.key(0)) if state_kind == "recipe" else eqx.filter_jit(make_state)(
                 jax.random.key(0))
@@ -125,21 +159,24 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     print(f"{args.preset}, {args.layers or 'all'} layers unrolled, batch {args.batch}, bf16: the training step, "
           f"a cold compile per variant in a fresh process (load average {os.getloadavg()[0]:.1f})")
-    print(f"{'variant':<12} {'opt':<7} {'strategy':<8} {'like':<5} {'state':<7} {'lower s':>8} {'compile s':>9} "
+    print(f"{'variant':<14} {'opt':<7} {'strategy':<8} {'like':<5} {'state':<7} {'malloc':<9} {'cache':<5} "
+          f"{'lower s':>8} {'compile s':>9} "
           f"{'compile CPU s':>13}  kernel")
     for name in args.variants:
         cmd = [sys.executable, __file__, "--run-variant", name, "--preset", args.preset, "--layers", str(args.layers),
                "--batch", str(args.batch)] + (["--topology", args.topology] if args.topology else [])
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-        env["EQGPT_NO_COMPILE_CACHE"] = "1"  # a cold compile
+        env["EQGPT_NO_COMPILE_CACHE"] = "1"  # a cold compile (+cache: into an empty directory)
+        env["GLIBC_TUNABLES"] = MALLOC[VARIANTS[name].malloc]
         if args.topology:
             env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if out.returncode:
             raise RuntimeError(f"{name} failed:\n{out.stdout}{out.stderr[-4000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        o, s, like, st = VARIANTS[name]
-        print(f"{name:<12} {o:<7} {s:<8} {str(like):<5} {st:<7} {r['lower']:8.1f} {r['compile']:9.1f} "
+        v = VARIANTS[name]
+        print(f"{name:<14} {v.opt:<7} {v.strategy:<8} {str(v.model_like):<5} {v.state:<7} {v.malloc:<9} "
+              f"{'on' if v.cache else 'off':<5} {r['lower']:8.1f} {r['compile']:9.1f} "
               f"{r['compile_cpu']:13.1f}  {'tpu_custom_call' if r['tpu_kernel'] else 'no Pallas call'} "
               f"({r['platform']})", flush=True)
     return 0
