@@ -136,7 +136,8 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
     t_lower, cpu0 = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
     t_compile, cpu = time.perf_counter(), time.process_time() - cpu0
-    hlo = compiled.as_text() or ""
+    del compiled
+    hlo = getattr(lowered, "lowered", lowered).as_text()  # equinox's Lowered wraps JAX's
     return {"lower": t_lower - t0, "compile": t_compile - t_lower, "compile_cpu": cpu,
             "tpu_kernel": "tpu_custom_call" in hlo, "platform": f"compile-only {topology}" if topology else platform}
 
