@@ -12,15 +12,19 @@ the attention is the TPU kernel (`tpu_custom_call` in the HLO).
   what `strategy_of` gives the recipe on one device) or `mesh1` (a one-device mesh, as eqgpt-plan).
 - `model_like`: whether `make_train_step` gets the model's shapes.
 - `state`: `bench` (the benchmark's `TrainState`) or `recipe` (`eqgpt.train.initial_state`).
-- the process's environment: `+malloc` runs the benchmark's step with the glibc malloc settings
-  `eqgpt-train` restarts with (`eqgpt.launch.GLIBC_MALLOC_TUNABLES`), `+malloc-arena` with all
-  of them but `arena_max=1`; every other variant with glibc's defaults (`GLIBC_TUNABLES` unset).
+- the process: `malloc`, its `GLIBC_TUNABLES`: glibc's defaults, `eqgpt` (the settings
+  `eqgpt-train` restarts with where its steps run on the CPU, `eqgpt.launch.GLIBC_MALLOC_TUNABLES`;
+  before issue 47 it did so on a TPU too) or `no-arena` (those but `arena_max=1`); `cache`:
+  JAX's persistent compilation cache on, in an empty directory, as the recipe has it.
 
-On a real accelerator the state and batch are placed arrays (`step.lower(state, batch)`);
-with `--topology v5e:1x1` they are shapes on libtpu's compile-only devices (CPU host).
+`recipe` is the recipe's step in the benchmark's process, `recipe+env` in the recipe's process
+as it was on the v5e (malloc settings and cache), `plan` as `eqgpt-plan` builds it (a one-device
+mesh). On a real accelerator the state and batch are placed arrays (`step.lower(state, batch)`);
+with `--topology v5e:1x1` they are shapes on libtpu's compile-only devices (on a CPU host; the
+Pallas attention lowers for the TPU there, which needs a GPT-2-sized head: gpt2 presets only).
 
-    python benchmarks/compile_diff.py --layers 3 --topology v5e:1x1       # CPU host
-    python benchmarks/compile_diff.py --layers 12                          # on the v5e
+    python benchmarks/compile_diff.py --layers 3 --topology v5e:1x1        # CPU host
+    python benchmarks/compile_diff.py --variants bench,+malloc,recipe       # on the v5e, 12 layers
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import tempfile
 import time
 from typing import NamedTuple
 
+from eqgpt.launch import GLIBC_MALLOC_TUNABLES
+
 
 class Variant(NamedTuple):
     """How a step is built (the benchmark's choice first) and the process it compiles in."""
@@ -42,7 +48,7 @@ class Variant(NamedTuple):
     strategy: str = "none"  # or "single", "mesh1"
     model_like: bool = False
     state: str = "bench"  # or "recipe"
-    malloc: str = "default"  # GLIBC_TUNABLES: glibc's defaults, "eqgpt" (MALLOC_SETTINGS), "no-arena"
+    malloc: str = "default"  # GLIBC_TUNABLES: glibc's defaults, "eqgpt" (eqgpt-train's on a CPU), "no-arena"
     cache: bool = False  # JAX's persistent compilation cache on (an empty directory), as the recipe has it
 
 
@@ -61,11 +67,8 @@ VARIANTS = {
     "plan": Variant(**{**RECIPE, "strategy": "mesh1"}),
 }
 
-# The glibc malloc settings eqgpt-train restarted with before this comparison (eqgpt.launch).
-MALLOC_SETTINGS = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184:"
-                   "glibc.malloc.arena_max=1")
-MALLOC = {"default": "", "eqgpt": MALLOC_SETTINGS,
-          "no-arena": MALLOC_SETTINGS.replace(":glibc.malloc.arena_max=1", "")}
+MALLOC = {"default": "", "eqgpt": GLIBC_MALLOC_TUNABLES,
+          "no-arena": GLIBC_MALLOC_TUNABLES.replace(":glibc.malloc.arena_max=1", "")}
 """Variant.malloc -> GLIBC_TUNABLES ("" is glibc's defaults)."""
 
 
@@ -138,7 +141,8 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
     t_compile, cpu = time.perf_counter(), time.process_time() - cpu0
     del compiled
     hlo = getattr(lowered, "lowered", lowered).as_text()  # equinox's Lowered wraps JAX's
-    return {"lower": t_lower - t0, "compile": t_compile - t_lower, "compile_cpu": cpu,
+    return {"malloc": os.environ.get("GLIBC_TUNABLES", ""), "lower": t_lower - t0, "compile": t_compile - t_lower,
+            "compile_cpu": cpu,
             "tpu_kernel": "tpu_custom_call" in hlo, "platform": f"compile-only {topology}" if topology else platform}
 
 
@@ -176,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"{name} failed:\n{out.stdout}{out.stderr[-4000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         v = VARIANTS[name]
+        if r["malloc"] != MALLOC[v.malloc]:
+            raise RuntimeError(f"{name} ran with GLIBC_TUNABLES={r['malloc']!r}, not {MALLOC[v.malloc]!r}")
         print(f"{name:<14} {v.opt:<7} {v.strategy:<8} {str(v.model_like):<5} {v.state:<7} {v.malloc:<9} "
               f"{'on' if v.cache else 'off':<5} {r['lower']:8.1f} {r['compile']:9.1f} "
               f"{r['compile_cpu']:13.1f}  {'tpu_custom_call' if r['tpu_kernel'] else 'no Pallas call'} "
