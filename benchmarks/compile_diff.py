@@ -4,7 +4,8 @@ Both compile one chip's bf16 step for the same model and batch; they differ in h
 built. Each variant below starts from the benchmark's step and takes one of the recipe's
 choices (or all of them), and compiles in a fresh process. Printed: trace+lower seconds, the
 XLA compile's wall seconds and the process's CPU seconds during it (every thread), and whether
-the attention is the TPU kernel (`tpu_custom_call` in the HLO).
+the attention is the TPU kernel (`tpu_custom_call` in the HLO); on a real device also the wall
+seconds to create the initial state (its initialiser's compile included).
 
 - `opt`: `plain` (`make_optimizer(make_lr_schedule(...))`, the benchmark's) or `recipe`
   (`eqgpt.cli.train.optimizer_of` of the recipe's default flags).
@@ -120,7 +121,7 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
         windows = np.zeros((batch, config.seq_len + 1), np.int32)
         step = make_train_step(optimizer, strategy=strategy, policy=policy,
                                model_like=model_like if give_like else None)
-        t0 = time.perf_counter()
+        t0, init = time.perf_counter(), None
         if topology:
             sharding = jax.sharding.SingleDeviceSharding(device)
             place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
@@ -130,9 +131,11 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
             with jax.default_device(device):  # Pallas's Mosaic lowering reads the TPU's kind from it
                 lowered = lower_from_shapes(step, state, batch_in)
         else:
+            t_state = time.perf_counter()
             state = make_state(jax.random.key(0)) if state_kind == "recipe" else eqx.filter_jit(make_state)(
                 jax.random.key(0))
             jax.block_until_ready(state)
+            init = time.perf_counter() - t_state
             batch_in = (strategy or Strategy()).batch(Batch.from_windows(windows))
             t0 = time.perf_counter()
             lowered = step.lower(state, batch_in)
@@ -141,8 +144,8 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
     t_compile, cpu = time.perf_counter(), time.process_time() - cpu0
     del compiled
     hlo = getattr(lowered, "lowered", lowered).as_text()  # equinox's Lowered wraps JAX's
-    return {"malloc": os.environ.get("GLIBC_TUNABLES", ""), "lower": t_lower - t0, "compile": t_compile - t_lower,
-            "compile_cpu": cpu,
+    return {"malloc": os.environ.get("GLIBC_TUNABLES", ""), "init": init, "lower": t_lower - t0,
+            "compile": t_compile - t_lower, "compile_cpu": cpu,
             "tpu_kernel": "tpu_custom_call" in hlo, "platform": f"compile-only {topology}" if topology else platform}
 
 
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.preset}, {args.layers or 'all'} layers unrolled, batch {args.batch}, bf16: the training step, "
           f"a cold compile per variant in a fresh process (load average {os.getloadavg()[0]:.1f})")
     print(f"{'variant':<14} {'opt':<7} {'strategy':<8} {'like':<5} {'state':<7} {'malloc':<9} {'cache':<5} "
-          f"{'lower s':>8} {'compile s':>9} "
+          f"{'init s':>6} {'lower s':>8} {'compile s':>9} "
           f"{'compile CPU s':>13}  kernel")
     for name in args.variants:
         cmd = [sys.executable, __file__, "--run-variant", name, "--preset", args.preset, "--layers", str(args.layers),
@@ -180,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"{name} failed:\n{out.stdout}{out.stderr[-4000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         v = VARIANTS[name]
+        init = "-" if r["init"] is None else f"{r['init']:.1f}"
         if r["malloc"] != MALLOC[v.malloc]:
             raise RuntimeError(f"{name} ran with GLIBC_TUNABLES={r['malloc']!r}, not {MALLOC[v.malloc]!r}")
         print(f"{name:<14} {v.opt:<7} {v.strategy:<8} {str(v.model_like):<5} {v.state:<7} {v.malloc:<9} "
-              f"{'on' if v.cache else 'off':<5} {r['lower']:8.1f} {r['compile']:9.1f} "
+              f"{'on' if v.cache else 'off':<5} {init:>6} {r['lower']:8.1f} {r['compile']:9.1f} "
               f"{r['compile_cpu']:13.1f}  {'tpu_custom_call' if r['tpu_kernel'] else 'no Pallas call'} "
               f"({r['platform']})", flush=True)
     return 0
