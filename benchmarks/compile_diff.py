@@ -5,7 +5,10 @@ built. Each variant below starts from the benchmark's step and takes one of the 
 choices (or all of them), and compiles in a fresh process. Printed: trace+lower seconds, the
 XLA compile's wall seconds and the process's CPU seconds during it (every thread), and whether
 the attention is the TPU kernel (`tpu_custom_call` in the HLO); on a real device also the wall
-seconds to create the initial state (its initialiser's compile included).
+seconds to create the initial state (its initialiser's compile included). `--copies N` compiles N
+copies of the step at once in threads of one process, as the recipe compiles its programs side
+by side: on a host with few cores (this one's TPU compile runs one thread) that is what shows
+threads contending for the allocator.
 
 - `opt`: `plain` (`make_optimizer(make_lr_schedule(...))`, the benchmark's) or `recipe`
   (`eqgpt.cli.train.optimizer_of` of the recipe's default flags).
@@ -25,12 +28,14 @@ with `--topology v5e:1x1` they are shapes on libtpu's compile-only devices (on a
 Pallas attention lowers for the TPU there, which needs a GPT-2-sized head: gpt2 presets only).
 
     python benchmarks/compile_diff.py --layers 3 --topology v5e:1x1        # CPU host
+    python benchmarks/compile_diff.py --layers 1 --topology v5e:1x1 --copies 2 --variants bench,+malloc
     python benchmarks/compile_diff.py --variants bench,+malloc,recipe       # on the v5e, 12 layers
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -73,8 +78,9 @@ MALLOC = {"default": "", "eqgpt": GLIBC_MALLOC_TUNABLES,
 """Variant.malloc -> GLIBC_TUNABLES ("" is glibc's defaults)."""
 
 
-def run_variant(name: str, preset: str, layers: int, batch: int, topology: str | None) -> dict:
-    """Compile variant `name`'s step in this process (JAX not yet initialised); **returns** its figures."""
+def run_variant(name: str, preset: str, layers: int, batch: int, topology: str | None, copies: int = 1) -> dict:
+    """Compile variant `name`'s step (`copies` of it at once, in threads) in this process (JAX not yet
+    initialised); **returns** its figures."""
     import equinox as eqx
     import jax
     import numpy as np
@@ -129,7 +135,7 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
             state = jax.tree.map(place, eqx.filter_eval_shape(make_state, jax.random.key(0)), is_leaf=leaf)
             batch_in = jax.tree.map(place, jax.eval_shape(Batch.from_windows, windows), is_leaf=leaf)
             with jax.default_device(device):  # Pallas's Mosaic lowering reads the TPU's kind from it
-                lowered = lower_from_shapes(step, state, batch_in)
+                lowered = [lower_from_shapes(step, state, batch_in) for _ in range(copies)]
         else:
             t_state = time.perf_counter()
             state = make_state(jax.random.key(0)) if state_kind == "recipe" else eqx.filter_jit(make_state)(
@@ -138,12 +144,15 @@ def run_variant(name: str, preset: str, layers: int, batch: int, topology: str |
             init = time.perf_counter() - t_state
             batch_in = (strategy or Strategy()).batch(Batch.from_windows(windows))
             t0 = time.perf_counter()
-            lowered = step.lower(state, batch_in)
+            # the step's own lowering; more copies as lower_from_shapes lowers it (a fresh jit each: compiled anew)
+            lowered = [step.lower(state, batch_in)] + [lower_from_shapes(step, state, batch_in)
+                                                       for _ in range(copies - 1)]
     t_lower, cpu0 = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
+    with concurrent.futures.ThreadPoolExecutor(copies) as pool:  # side by side, as the recipe compiles
+        compiled = list(pool.map(lambda low: low.compile(), lowered))
     t_compile, cpu = time.perf_counter(), time.process_time() - cpu0
     del compiled
-    hlo = getattr(lowered, "lowered", lowered).as_text()  # equinox's Lowered wraps JAX's
+    hlo = getattr(lowered[0], "lowered", lowered[0]).as_text()  # equinox's Lowered wraps JAX's
     return {"malloc": os.environ.get("GLIBC_TUNABLES", ""), "init": init, "lower": t_lower - t0,
             "compile": t_compile - t_lower, "compile_cpu": cpu,
             "tpu_kernel": "tpu_custom_call" in hlo, "platform": f"compile-only {topology}" if topology else platform}
@@ -157,22 +166,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=0, help="unrolled layers (default: the preset's)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--topology", default=None, help="compile for this TPU on a CPU host, e.g. v5e:1x1")
+    p.add_argument("--copies", type=int, default=1, help="compile this many copies of the step at once, in "
+                   "threads of one process (the recipe compiles its programs side by side)")
     p.add_argument("--run-variant", default=None, help=argparse.SUPPRESS)  # internal: one variant here
     args = p.parse_args(argv)
     if args.run_variant:
-        print(json.dumps(run_variant(args.run_variant, args.preset, args.layers, args.batch, args.topology)))
+        print(json.dumps(run_variant(args.run_variant, args.preset, args.layers, args.batch, args.topology,
+                                     args.copies)))
         return 0
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    copies = f"{args.copies} copies at once" if args.copies > 1 else "a cold compile"
     print(f"{args.preset}, {args.layers or 'all'} layers unrolled, batch {args.batch}, bf16: the training step, "
-          f"a cold compile per variant in a fresh process (load average {os.getloadavg()[0]:.1f})")
+          f"{copies} per variant in a fresh process (load average {os.getloadavg()[0]:.1f})")
     print(f"{'variant':<14} {'opt':<7} {'strategy':<8} {'like':<5} {'state':<7} {'malloc':<9} {'cache':<5} "
           f"{'init s':>6} {'lower s':>8} {'compile s':>9} "
           f"{'compile CPU s':>13}  kernel")
     for name in args.variants:
         cmd = [sys.executable, __file__, "--run-variant", name, "--preset", args.preset, "--layers", str(args.layers),
-               "--batch", str(args.batch)] + (["--topology", args.topology] if args.topology else [])
+               "--batch", str(args.batch), "--copies", str(args.copies)]
+        cmd += ["--topology", args.topology] if args.topology else []
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         env["EQGPT_NO_COMPILE_CACHE"] = "1"  # a cold compile (+cache: into an empty directory)
         env["GLIBC_TUNABLES"] = MALLOC[VARIANTS[name].malloc]
