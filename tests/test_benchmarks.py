@@ -102,3 +102,16 @@ def test_attention_speed_prints_the_cpu_table_when_asked(capsys):
     assert load("attention_speed").main(["--cpu", "--seqs", "128", "--tokens", "256", "--repeats", "1"]) == 0
     header, row = capsys.readouterr().out.strip().splitlines()[-2:]
     assert header.split() == ["T", "batch", "reference", "blockwise"] and row.split()[:2] == ["128", "2"]
+
+
+@pytest.mark.slow
+def test_compile_diff_compiles_the_recipe_step_in_the_recipe_process(capsys):
+    """The recipe's step (its optimizer, strategy, model_like and initial state) with its malloc
+    settings and cache: each child process ran with the GLIBC_TUNABLES its row names (else it raises)."""
+    args = ["--preset", "nano", "--layers", "1", "--batch", "2", "--copies", "2", "--variants", "bench,recipe+env"]
+    assert load("compile_diff").main(args) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert list(rows) == ["bench", "recipe+env"]
+    assert rows["recipe+env"][1:7] == ["recipe", "single", "True", "recipe", "eqgpt", "on"]
+    for r in rows.values():  # the initial state's and the compile's seconds; the CPU's attention
+        assert float(r[7]) > 0 and float(r[10]) > 0 and "no Pallas call" in " ".join(r), r

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from eqgpt import launch
 from eqgpt.launch import child_env, culprit, free_port
 
 ECHO = str(Path(__file__).parent / "mp" / "echo.py")
@@ -137,3 +138,32 @@ def test_the_malloc_restart_comes_before_jax_is_imported():
     assert out.stdout.strip() == "False"
     recipe = (Path(__file__).resolve().parents[1] / "recipes" / "train_gpt.py").read_text()
     assert recipe.index("restart_with_malloc_tunables()") < recipe.index("from eqgpt.cli.train import")
+
+
+@pytest.mark.parametrize("platforms, files, cpu", [
+    ("cpu", ["accel0"], True),  # JAX_PLATFORMS decides where it is set
+    ("tpu,cpu", [], False),
+    ("", [], True),  # else an accelerator's device file
+    ("", ["accel0"], False),  # TPU v4, v5e
+    ("", ["vfio/0"], False),  # TPU v5p, v6e
+    ("", ["vfio/vfio"], True),  # the vfio control file alone: no device
+    ("", ["nvidiactl"], False),
+])
+def test_steps_run_on_cpu_from_the_environment_and_device_files(tmp_path, platforms, files, cpu):
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    assert launch.steps_run_on_cpu({"JAX_PLATFORMS": platforms}, dev=str(tmp_path)) is cpu
+
+
+@pytest.mark.parametrize("platforms, restarts", [("cpu", True), ("tpu", False)])
+def test_the_malloc_restart_only_where_steps_run_on_cpu(monkeypatch, platforms, restarts):
+    """On an accelerator the settings only slowed the host (the TPU compile: docs/profiling_results.md)."""
+    calls = []
+    monkeypatch.setattr(launch.sys, "platform", "linux")
+    monkeypatch.setattr(launch.os, "execv", lambda exe, argv: calls.append(argv))
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    launch.restart_with_malloc_tunables()
+    assert bool(calls) is restarts
+    assert os.environ.get("GLIBC_TUNABLES") == (launch.GLIBC_MALLOC_TUNABLES if restarts else None)

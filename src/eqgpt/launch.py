@@ -29,6 +29,7 @@ trainer can checkpoint and stop); a second one kills them.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import signal
 import socket
@@ -55,10 +56,28 @@ GLIBC_MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.m
 SETTLE_SECONDS = 3.0
 """How long the other ranks may end by themselves after the first failure, before SIGTERM."""
 
+# Device files of the accelerators JAX runs on: TPUs (/dev/accel*: v4, v5e; /dev/vfio/N: v5p, v6e),
+# NVIDIA GPUs (/dev/nvidiactl also in containers) and AMD GPUs (/dev/kfd).
+ACCELERATOR_DEVICE_FILES = ("accel*", "vfio/[0-9]*", "nvidiactl", "nvidia[0-9]*", "kfd")
+
+
+def steps_run_on_cpu(environ: Mapping[str, str] | None = None, dev: str = "/dev") -> bool:
+    """Whether this process's JAX will run on the CPU, judged before JAX is imported (which would
+    start a backend): `JAX_PLATFORMS`' first entry where it is set, else whether no accelerator's
+    device file (`ACCELERATOR_DEVICE_FILES`) is under `dev`."""
+    environ = os.environ if environ is None else environ
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not any(glob.glob(os.path.join(dev, pattern)) for pattern in ACCELERATOR_DEVICE_FILES)
+
+
 def restart_with_malloc_tunables() -> None:
-    """Re-execute this Python process once with `GLIBC_MALLOC_TUNABLES` (Linux only; a no-op
-    where `GLIBC_TUNABLES` is already set, so a user's own choice wins)."""
-    if sys.platform == "linux" and "GLIBC_TUNABLES" not in os.environ:
+    """Re-execute this Python process once with `GLIBC_MALLOC_TUNABLES`, where its steps run on the
+    CPU (`steps_run_on_cpu`): they are for the step's host buffers. On an accelerator they only slow
+    the host: one malloc arena for every thread of XLA's compiler (docs/profiling_results.md).
+    Linux only; a no-op where `GLIBC_TUNABLES` is already set, so a user's own choice wins."""
+    if sys.platform == "linux" and "GLIBC_TUNABLES" not in os.environ and steps_run_on_cpu():
         os.environ["GLIBC_TUNABLES"] = GLIBC_MALLOC_TUNABLES
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
