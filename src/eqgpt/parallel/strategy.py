@@ -259,8 +259,11 @@ class Strategy:
         """Outside `jit`: `tree`'s arrays laid out as a compiled step returns them, so that one program serves
         the first step and every later one. Uncommitted arrays (a fresh key, a step counter) are committed:
         replicated over the mesh, or where they are; a `NamedSharding` is spelled without trailing `None`s.
-        Arrays already so laid out are returned as they are."""
+        Arrays already so laid out are returned as they are; so is the whole tree when the mesh spans
+        several processes (`device_put` cannot commit a process's local array to it)."""
         whole = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        if whole is not None and not whole.is_fully_addressable:
+            return tree
 
         def one(x):
             if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
