@@ -392,8 +392,8 @@ def corpus_of(cfg: TrainConfig, model_cfg: eqgpt.GPTConfig):
 def compiled_step(cfg: TrainConfig, optimizer, strategy: Strategy, policy: Policy, model_like, state, compiled,
                   batch: Batch):
     """The training step compiled once, for batches shaped as `batch` (the loader's first): `compiled`, from
-    `fit_batch`, when it has one for `windows` batches. Under jit the step would compile again at step 2, as
-    the state it returns spells its shardings differently from the placed one."""
+    `fit_batch`, when it has one for `windows` batches. Compiled before the run directory is made, so that a
+    step that cannot compile leaves nothing behind; --report and --estimate read this very program."""
     if compiled is not None and cfg.data.mode == "windows":
         return compiled
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
