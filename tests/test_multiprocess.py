@@ -42,13 +42,17 @@ class Job:
         self.proc = subprocess.Popen([sys.executable, *args], env=full_env, cwd=ROOT, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def result(self, timeout):
+    def result(self, timeout, peers=()):
+        """(exit code, output); past `timeout` s, stops this job and its `peers` and fails with the
+        output of each."""
         try:
             out, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.stop()
-            out, _ = self.proc.communicate()
-            pytest.fail(f"timed out after {timeout} s:\n{out[-3000:]}")
+            outputs = []
+            for job in (self, *[p for p in peers if p is not self]):
+                job.stop()
+                outputs.append(job.proc.communicate()[0][-3000:])
+            pytest.fail(f"timed out after {timeout} s:\n" + "\n---- a peer:\n".join(outputs))
         return self.proc.returncode, out
 
     def stop(self):
@@ -181,7 +185,7 @@ def test_slurm_detection_starts_a_job(jobs):
                "JAX_NUM_CPU_DEVICES": "2", "TEST_TIMEOUT": "40"}
         procs.append(jobs([str(MP / "dist_worker.py"), "init"], env=env))
     for rank, job in enumerate(procs):
-        code, out = job.result(timeout=90)
+        code, out = job.result(timeout=90, peers=procs)
         assert code == 0 and f"OK process {rank} of 2, 4 devices, coordinator from slurm" in out, out[-2000:]
 
 

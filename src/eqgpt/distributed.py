@@ -17,6 +17,7 @@ between CPU processes). This module only
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -347,8 +348,34 @@ def initialize(
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices("eqgpt.distributed.initialize")
+    _leave_the_job_at_exit()
     _SETTINGS = settings
     return settings
+
+
+def _leave_the_job_at_exit() -> None:
+    """Leave through JAX's shutdown barrier when the interpreter exits normally, before it tears
+    down: otherwise the order of teardown is left to chance, and process 0 (which hosts the
+    coordination service) can drop it while a peer is still leaving, which hangs or aborts that
+    peer. After an uncaught exception the barrier is skipped, so a failing process exits at once
+    and its launcher stops the others."""
+    failed = threading.Event()
+    previous_hook = sys.excepthook
+
+    def note_failure(*exc_info):
+        failed.set()
+        previous_hook(*exc_info)
+
+    def leave():
+        if failed.is_set():
+            return
+        try:
+            jax.distributed.shutdown()
+        except Exception as e:  # a peer already gone: nothing left to wait for
+            print(f"eqgpt: leaving the job at exit: {e}", file=sys.stderr)
+
+    sys.excepthook = note_failure
+    atexit.register(leave)
 
 
 def is_main_process() -> bool:
