@@ -8,6 +8,8 @@ same batch (its helpers, its tolerance). A strategy that ignored `segment_ids`, 
 missing mask for another normalisation, or that dropped `positions` fails by its margin.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -51,6 +53,13 @@ def step_on(layout: str, name: str, strategy):
     return first_step(name, strategy, LAYOUTS[layout])
 
 
+@functools.cache
+def one_device(layout: str, name: str) -> dict:
+    """`step_on(layout, name, Strategy())`, computed once per module (its floats and arrays are
+    only read)."""
+    return step_on(layout, name, Strategy())
+
+
 # Per-row positions are refused, with the fix named, where the path has no support for them yet:
 # there segment ids without positions are checked instead ("packed" holds all three fields).
 NO_POSITIONS = {"manual-tp", "manual-sp", "pipeline-1f1b"}
@@ -68,7 +77,7 @@ def test_paths_without_positions_refuse_them():
 @pytest.mark.parametrize("case, layout", RUNS, ids=[f"{c}-{lay}" for c, lay in RUNS])
 def test_strategy_on_user_batches_equals_one_device(case, layout):
     name, make = CASES[case]
-    want = step_on(layout, name, Strategy())
+    want = one_device(layout, name)
     err = errors(step_on(layout, name, make()), want)
     bad = {k: f"{v:.2e}" for k, v in sorted(err.items(), key=lambda kv: -kv[1]) if v > TOL}
     worst = max(err.values())
@@ -79,7 +88,7 @@ def test_strategy_on_user_batches_equals_one_device(case, layout):
 def test_the_layouts_change_the_gradients(name):
     """The layouts differ where they should (so agreeing on them means something): segment ids,
     and then positions and the mask, each change one device's gradients by far more than `TOL`."""
-    steps = [step_on(k, name, Strategy()) for k in LAYOUTS]
+    steps = [one_device(k, name) for k in LAYOUTS]
     for a, b in zip(steps, steps[1:], strict=False):
         assert max(errors(a, b).values()) > 100 * TOL
 
