@@ -21,7 +21,9 @@ from eqgpt.parallel.pipeline import (
     Schedule,
     StageCosts,
     balanced_layers,
+    bubble_report,
     equal_layers,
+    from_programs,
     from_stages,
     gpipe,
     interleaved,
@@ -327,3 +329,127 @@ def test_uneven_split_still_needs_layers_the_pipeline_divides():
     fn = pipeline_grad_fn(make_mesh("pipeline=4,data=2"), "1f1b", 4, layers_per_stage=(3, 2, 1, 0))
     with pytest.raises(ValueError, match="num_layers=6 is not divisible by the pipeline size 4"):
         fn(_model(6), _batch(8))
+
+
+# --- what mutation testing found unchecked (`python tests/mutation_run.py parallel/pipeline/schedules.py`) ---
+
+
+def test_the_chart_reads_as_documented():
+    """The exact chart of two small schedules: header, tick row, one row per stage, chunk letters."""
+    assert gpipe(2, 2).table() == (
+        "gpipe: p=2 m=2  ticks=6  idle=4  bubble=0.333  in-flight=2\n"
+        "tick    0  1  2  3  4  5\n"
+        "stage 0 F0 F1 .  .  B0 B1\n"
+        "stage 1 .  F0 F1 B0 B1 .")
+    assert interleaved(2, 2).table().splitlines()[:3] == [
+        "interleaved: p=2 m=2 v=2  ticks=10  idle=4  bubble=0.200  in-flight=4",
+        "tick    0   1   2   3   4   5   6   7   8   9",
+        "stage 0 F0a F1a F0b F1b .   B0b .   B1b B0a B1a"]
+
+
+def held(schedule: Schedule, stage: int) -> int:
+    """The most stage inputs `stage` holds, read off the table: +1 at each F, -1 when its last
+    backward piece runs (W in a split table, else B)."""
+    last = "W" if any(a is not None and a.kind == "W" for row in schedule.ticks for a in row) else "B"
+    alive = peak = 0
+    for row in schedule.ticks:
+        a = row[stage]
+        alive += 0 if a is None else 1 if a.kind == "F" else -1 if a.kind == last else 0
+        peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("name, p, m", [("gpipe", 3, 4), ("1f1b", 4, 8), ("interleaved", 2, 4), ("zb1", 4, 8)])
+def test_in_flight_counts_until_the_last_backward_piece(name, p, m):
+    sched = make_pipeline_schedule(name, p, m)
+    assert [sched.in_flight(s) for s in range(p)] == [held(sched, s) for s in range(p)]
+    assert sched.peak_in_flight == max(held(sched, s) for s in range(p))
+
+
+def test_in_flight_of_a_table_whose_peak_comes_after_a_backward():
+    """The built-in tables reach their peak before any backward; a table of one's own need not."""
+    mine = Schedule("mine", 1, 3, 1, ((F(0),), (B(0),), (F(1),), (F(2),), (B(1),), (B(2),)))
+    assert mine.in_flight(0) == held(mine, 0) == 2
+
+
+def test_interleaved_warms_up_as_megatron_does():
+    """Stage s warms up with 2 (p - s - 1) + (v - 1) p forwards (the docstring's count), then runs
+    one more before its first backward: it holds that many inputs at its peak."""
+    p, m, v = 4, 8, 2
+    sched = interleaved(p, m, v)
+    for s in range(p):
+        warm = 2 * (p - s - 1) + (v - 1) * p
+        first_backward = [a.kind for _, a in sched.program(s)].index("B")
+        assert first_backward == min(warm + 1, m * v) and held(sched, s) == first_backward
+
+
+def test_defaults_and_names():
+    assert interleaved(2, 4).num_chunks == 2 and make_pipeline_schedule("interleaved", 2, 4).num_chunks == 2
+    assert [make_pipeline_schedule(n, 2, 4).name for n in ("gpipe", "1f1b", "interleaved", "zb1")] == [
+        "gpipe", "1f1b", "interleaved", "zb1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 4), "num_stages must be a positive integer, got 0"),
+    ((2, 0), "num_microbatches must be a positive integer, got 0"),
+    ((2, 4, 0), "num_chunks must be a positive integer, got 0"),
+    ((4, 6), r"divisible by the 4 stages \(got m=6\); use m in \[4, 8, 12, 16\]\.\.\."),
+])
+def test_bad_sizes_name_the_size(args, message):
+    with pytest.raises(ValueError, match=message):
+        interleaved(*args)
+
+
+def F(i, c=0):
+    return Action("F", i, c)
+
+
+def B(i, c=0):
+    return Action("B", i, c)
+
+
+def W(i, c=0):
+    return Action("W", i, c)
+
+
+@pytest.mark.parametrize("p, m, v, ticks, message", [
+    (0, 1, 1, (), r"must be >= 1, got p=0, m=1, v=1"),
+    (1, 0, 1, (), r"must be >= 1, got p=1, m=0, v=1"),
+    (1, 1, 0, (), r"must be >= 1, got p=1, m=1, v=0"),
+    (2, 1, 1, ((F(0),),), r"tick 0 has 1 cells for 2 stages"),
+    (1, 1, 1, ((F(1),), (B(1),)), r"tick 0, stage 0: .* is outside m=1, v=1"),
+    (1, 1, 1, ((Action("F", 0, 1),), (Action("B", 0, 1),)), r"tick 0, stage 0: .* is outside m=1, v=1"),
+    (1, 1, 1, ((F(0),), (F(0),), (B(0),)), r"F0 of virtual stage 0 appears twice"),
+    (2, 1, 1, ((F(0), F(0)), (None, B(0)), (B(0), None)), r"F0 on virtual stage 1 does not follow F0 on 0"),
+    (2, 1, 1, ((F(0), None), (None, F(0)), (B(0), B(0))), r"B0 on virtual stage 0 does not follow its dependency"),
+    (2, 1, 1, ((F(0), None), (None, F(0)), (B(0), None), (None, B(0))),
+     r"B0 on virtual stage 0 does not follow its dependency"),
+    (1, 1, 1, ((F(0),), (B(0),), (F(0),)), r"appears twice"),
+    (1, 1, 1, ((F(0),), (F(0),)), r"appears twice"),
+])
+def test_a_table_that_breaks_a_rule_is_refused_naming_it(p, m, v, ticks, message):
+    with pytest.raises(ValueError, match=message):
+        Schedule("mine", p, m, v, ticks)
+
+
+def test_programs_are_placed_on_the_earliest_ticks_after_a_stage_finishes():
+    """Stage 0 finishes a tick before stage 1 (whose W's come last): stage 1's last W still runs."""
+    programs = [[F(0), F(1), F(2), B(0), W(0), B(1), W(1), B(2), W(2)],
+                [F(0), B(0), F(1), B(1), F(2), B(2), W(0), W(1), W(2)]]
+    sched = from_programs("mine", 2, 3, 1, programs)
+    assert sched.num_ticks == 10 and sched.ticks[8] == (W(2), W(1)) and sched.ticks[9] == (None, W(2))
+
+
+def test_a_split_table_needs_each_w_after_its_b_and_programs_that_cannot_run_deadlock():
+    with pytest.raises(ValueError, match="W0 on virtual stage 0 does not follow B0"):
+        Schedule("mine", 1, 1, 1, ((F(0),), (W(0),), (B(0),)))
+    # A stage's program listing a W before its B can never place it: refused, naming the schedule.
+    with pytest.raises(ValueError, match="mine: the stage programs deadlock at tick 1"):
+        from_programs("mine", 1, 1, 1, [[F(0), W(0), B(0)]])
+
+
+def test_bubble_report_line():
+    """1F1B, p=2, m=4: 2 (m + p - 1) = 10 ticks, p (p - 1) = 2 idle cells per stage, bubble
+    (p - 1) / (m + p - 1) = 0.2, p = 2 inputs held by the first stage."""
+    assert bubble_report(one_f_one_b(2, 4)) == ("1f1b: p=2 m=4 v=1 bubble 0.200 (idle 4 of 20 stage-ticks; "
+                                                "formula 0.200); at most 2 stage inputs in flight")
