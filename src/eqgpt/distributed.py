@@ -357,8 +357,9 @@ def _leave_the_job_at_exit() -> None:
     """Leave through JAX's shutdown barrier when the interpreter exits normally, before it tears
     down: otherwise the order of teardown is left to chance, and process 0 (which hosts the
     coordination service) can drop it while a peer is still leaving, which hangs or aborts that
-    peer. After an uncaught exception the barrier is skipped, so a failing process exits at once
-    and its launcher stops the others."""
+    peer. After an uncaught exception this process does not enter the barrier itself: its
+    launcher stops the others (JAX's own teardown may still wait for them, up to the shutdown
+    timeout, on jax 0.10)."""
     failed = threading.Event()
     previous_hook = sys.excepthook
 
