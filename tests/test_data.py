@@ -139,6 +139,44 @@ def test_bad_input(tmp_path):
         process_rows(6, 0, 4)
 
 
+def test_loader_state_restores_its_step_and_refuses_another_pipeline():
+    """A checkpoint's data state names the seed and the batch shape; a loader that differs in any of
+    them refuses it with every difference listed (a batch is a function of all of them)."""
+    tokens = np.arange(100, dtype=np.uint16)
+    loader = BatchLoader(tokens, batch_size=4, seq_len=8, seed=3)
+    state = loader.state(7)
+    assert state == {"seed": 3, "step": 7, "mode": "windows", "batch_size": 4, "seq_len": 8}
+    assert loader.restore(state) == 7 and loader.restore({"seed": 3, "step": 5}) == 5  # an older checkpoint's
+    fix = "; resume with the same --data settings (or start a new run) to see the same batches."
+    for other, diff in [({"seed": 4}, "seed was 3, now 4"), ({"batch_size": 2}, "batch_size was 4, now 2"),
+                        ({"seq_len": 16}, "seq_len was 8, now 16"),
+                        ({"seed": 0, "seq_len": 4}, "seed was 3, now 0, seq_len was 8, now 4")]:
+        changed = BatchLoader(tokens, **{"batch_size": 4, "seq_len": 8, "seed": 3, **other})
+        message = f"the checkpoint's data pipeline differs from this run's: {diff}{fix}"
+        with pytest.raises(ValueError) as refused:
+            changed.restore(state)
+        assert str(refused.value) == message
+    with pytest.raises(ValueError, match="mode was 'packed', now 'windows'"):
+        loader.restore({**state, "mode": "packed"})
+
+
+def test_loader_defaults_and_bad_shapes():
+    tokens = np.arange(100, dtype=np.uint16)
+    assert BatchLoader(tokens, batch_size=2, seq_len=4).seed == 0
+    for batch_size, seq_len in [(0, 4), (2, 0)]:
+        with pytest.raises(ValueError) as refused:
+            BatchLoader(tokens, batch_size=batch_size, seq_len=seq_len)
+        assert str(refused.value) == f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}."
+    with pytest.raises(ValueError) as refused:
+        BatchLoader(np.zeros(10, np.uint16), batch_size=2, seq_len=16)
+    assert str(refused.value) == ("10 training tokens are fewer than one sequence (seq_len + 1 = 17); "
+                                  "use a larger corpus or a shorter seq_len.")
+    with pytest.raises(ValueError) as refused:
+        eval_windows(np.zeros(10, np.uint16), seq_len=16, num_windows=2)
+    assert str(refused.value) == ("10 validation tokens are fewer than one sequence (17); "
+                                  "hold out more files or shorten seq_len.")
+
+
 # --------------------------------------------------------------------------- the Grain pipeline
 
 def test_grain_windows_are_the_batchloader_batches_bit_for_bit():

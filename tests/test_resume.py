@@ -90,7 +90,8 @@ def test_exact_resume_and_preemption(reference, tmp_path):
     assert Checkpointer(ref["dir"]).steps() == [5, 10]
     assert ref["first_losses"] == ref["losses"][:10]
     restored, t, final = continue_from(ref["dir"], ShardedPlacement(make_mesh("fsdp=8"), "fsdp"))
-    assert restored.step == 10 and restored.extras["data"] == {"seed": 0, "step": 10}
+    assert restored.step == 10 and restored.extras["data"] == {"seed": 0, "step": 10, "mode": "windows",
+                                                             "batch_size": 8, "seq_len": 32}
     assert losses(t) == ref["losses"][10:]
     for a, b in zip(arrays(final), ref["final"], strict=True):
         np.testing.assert_array_equal(a, b)

@@ -96,8 +96,10 @@ class BatchLoader:
         return Batch.from_windows(self.local_windows(step))
 
     def state(self, step: int) -> dict:
-        """What a checkpoint at `step` stores: the seed and the step fix every later batch."""
-        return {"seed": self.seed, "step": int(step)}
+        """What a checkpoint at `step` stores: the seed and the step fix every later batch of this
+        shape, so the shape is stored too, for `restore` to check."""
+        return {"seed": self.seed, "step": int(step), "mode": "windows", "batch_size": self.batch_size,
+                "seq_len": self.seq_len}
 
     def restore(self, state: dict) -> int:
         """Check a checkpoint's data `state` against this loader; **returns** its step."""
