@@ -246,7 +246,8 @@ def test_two_processes_match_one(jobs, tmp_path):
     assert len(fallbacks) == 2 and fallbacks[0][1:] == fallbacks[1][1:] == (str(steps), fallbacks[0][2]), out[-3000:]
     assert f"({preempted}, 'DamagedFileError: file " in fallbacks[0][2] and "CRC-32 differs" in fallbacks[0][2]
     restored = Checkpointer(tmp_path / "job" / "ckpt").restore(target(final, placement), step=steps)
-    assert restored.step == steps and restored.extras["data"] == {"seed": 0, "step": steps}
+    assert restored.step == steps and restored.extras["data"] == {"seed": 0, "step": steps, "mode": "windows",
+                                                                "batch_size": 8, "seq_len": 32}
     for a, b in zip(jax.tree.leaves(eqx.filter(restored.state.model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(final.model, eqx.is_array)), strict=True):
         # Adam divides by sqrt(v): where gradients are ~0 (some biases), reduction-order noise
