@@ -32,7 +32,7 @@ def process_rows(batch_size: int, process_index: int, process_count: int) -> tup
 
 def check_state(loader, state: dict) -> None:
     """`ValueError` if a checkpoint's data state was written with another seed, mode or batch shape."""
-    mine = {"seed": loader.seed, "mode": getattr(loader, "mode", "windows"),
+    mine = {"seed": loader.seed, "mode": loader.mode,
             "batch_size": loader.batch_size, "seq_len": loader.seq_len}
     diff = {k: (state[k], v) for k, v in mine.items() if k in state and state[k] != v}
     if diff:
@@ -54,6 +54,8 @@ class BatchLoader:
     - `seed`: with the step, fixes every batch.
     - `process_index`, `process_count`: this process's share (default: from JAX).
     """
+
+    mode = "windows"
 
     def __init__(
         self,
@@ -98,7 +100,7 @@ class BatchLoader:
     def state(self, step: int) -> dict:
         """What a checkpoint at `step` stores: the seed and the step fix every later batch of this
         shape, so the shape is stored too, for `restore` to check."""
-        return {"seed": self.seed, "step": int(step), "mode": "windows", "batch_size": self.batch_size,
+        return {"seed": self.seed, "step": int(step), "mode": self.mode, "batch_size": self.batch_size,
                 "seq_len": self.seq_len}
 
     def restore(self, state: dict) -> int:
