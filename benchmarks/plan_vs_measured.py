@@ -48,7 +48,7 @@ def measure(flags: list[str], *, warmup: int, steps: int, calibration: str | Non
     from jax.sharding import Mesh
 
     from eqgpt.cli import parse_cli
-    from eqgpt.cli.train import TrainConfig, initial_state, kernel_name, policy_of, strategy_of
+    from eqgpt.cli.train import TrainConfig, optimizer_of, policy_of, strategy_of
     from eqgpt.data.batch import Batch
     from eqgpt.nn import GPT
     from eqgpt.nn.kernels.grouped import auto_grouped_kernel
@@ -56,6 +56,8 @@ def measure(flags: list[str], *, warmup: int, steps: int, calibration: str | Non
     from eqgpt.plan.model import predict
     from eqgpt.plan.slices import parse_slice
     from eqgpt.train import make_train_step
+    from eqgpt.train.fit import kernel_name
+    from eqgpt.train.state import initial_state
 
     cfg = parse_cli(TrainConfig, args=flags)
     model_cfg, block_factory = cfg.model.build(), cfg.model.block_factory()
@@ -63,7 +65,8 @@ def measure(flags: list[str], *, warmup: int, steps: int, calibration: str | Non
     make_model = lambda k: policy.cast_to_param(GPT(model_cfg, key=k, block_factory=block_factory))  # noqa: E731
     model_like = jax.eval_shape(make_model, jax.random.key(0))
     strategy.check(model_like, batch_size=cfg.batch_size, seq_len=model_cfg.seq_len, accum_steps=cfg.accum_steps)
-    state, optimizer, _ = initial_state(cfg, strategy, policy, make_model)
+    optimizer, _ = optimizer_of(cfg, policy)
+    state = initial_state(optimizer, strategy, policy, make_model, cfg.seed)
     step_fn = make_train_step(optimizer, strategy=strategy, policy=policy, accum_steps=cfg.accum_steps,
                               z_loss=cfg.z_loss, model_like=model_like)
     rng = np.random.default_rng(0)

@@ -115,3 +115,16 @@ def test_compile_diff_compiles_the_recipe_step_in_the_recipe_process(capsys):
     assert rows["recipe+env"][1:7] == ["recipe", "single", "True", "recipe", "eqgpt", "on"]
     for r in rows.values():  # the initial state's and the compile's seconds; the CPU's attention
         assert float(r[7]) > 0 and float(r[10]) > 0 and "no Pallas call" in " ".join(r), r
+
+
+def test_matmul_in_step_times_the_pair_and_a_layers_forward_and_backward(capsys):
+    assert load("matmul_in_step").main(["--quick", "--repeats", "1", "--target-ms", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[3:-3] for r in rows] == [["pair"], ["fwd+bwd"], ["gelu", "fwd+bwd"]]
+    assert all(r[:3] == ["64", "128", "256"] and float(r[-1].rstrip("%")) > 0 for r in rows)
+
+
+def test_init_compile_compiles_the_recipes_initialiser(capsys):
+    assert load("init_compile").main(["--presets", "nano", "--topology", "", "--precision", "fp32"]) == 0
+    name, params, lower, compile_ = capsys.readouterr().out.splitlines()[-1].split()
+    assert name == "nano" and params.endswith("M") and float(lower) > 0 and float(compile_) > 0

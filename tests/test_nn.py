@@ -150,6 +150,27 @@ def test_unrolled_layers_equal_the_scan_and_leave_no_loop():
     assert_trees_close(g_two, g_scan, rtol=1e-5, atol=1e-7)
 
 
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_LLAMA, eqgpt.preset("moe-nano")], ids=["gpt2", "llama", "moe"])
+def test_layers_created_inside_jit_are_drawn_one_at_a_time_with_vmaps_values(cfg):
+    """Traced, `stack_layers` draws the layers in a loop (XLA:TPU compiles that far faster than drawing
+    every layer at once): the same arrays, bit for bit, as `vmap` traced, and the same modules."""
+    from eqgpt.nn.gpt import make_block, stack_layers
+
+    make = lambda k: make_block(cfg, key=k)  # noqa: E731
+    keys = jax.random.split(jax.random.key(3), cfg.num_layers)
+    looped = jax.jit(lambda ks: eqx.filter(stack_layers(make, ks), eqx.is_array))
+    vmapped = jax.jit(lambda ks: eqx.filter(eqx.filter_vmap(make)(ks), eqx.is_array))
+    for a, b in zip(jax.tree.leaves(looped(keys)), jax.tree.leaves(vmapped(keys)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    loops = lambda f: f.lower(keys).as_text().count("stablehlo.while")  # noqa: E731
+    assert loops(looped) == loops(vmapped) + 1  # the loop over layers
+    eager = nn.GPT(cfg, key=jax.random.key(3))  # vmap, op by op: XLA's fusions round the last bit otherwise
+    traced = eqx.filter_jit(lambda k: nn.GPT(cfg, key=k))(jax.random.key(3))
+    assert jax.tree.structure(traced) == jax.tree.structure(eager)
+    assert_trees_close(traced, eager, rtol=1e-6, atol=1e-8)
+
+
 def test_remat_full_recomputes_in_the_backward_and_keeps_fewer_temporaries():
     """The compiled gradient, not its jaxpr: `full` runs the blocks' forward matmuls again in the
     backward (more dots than `none`, whose loss recomputes nothing: the fused head) and keeps fewer

@@ -140,6 +140,23 @@ def test_calibration_benchmark_writes_a_table_the_planner_loads(tmp_path):
     assert table.matmul_efficiency(64, 128, 256) == next(r["efficiency"] for r in table.matmul if r["m"] == 64)
 
 
+@pytest.mark.slow
+def test_plan_vs_measured_compiles_predicts_and_runs_the_trainers_step(tmp_path, capsys):
+    """The chip's check of the planner, in its CPU mode: the trainer's step for a tiny llama (bf16 master
+    weights, full remat) is predicted, run, and written as a row whose parts add up to the prediction."""
+    import json
+
+    out = tmp_path / "pvm.txt"
+    args = ["--quick", "--cases", "llama-1b", "--warmup", "1", "--steps", "1", "--out", str(out)]
+    assert _benchmark("plan_vs_measured").main(args) == 0
+    row = json.loads("[" + out.read_text().split("\n[", 1)[1])[0]  # the table, then the rows as JSON
+    assert row["model"] == "llama-1b (quick)" and row["measured"] > 0 and row["matmul"] > 0
+    assert row["predicted"] == pytest.approx(row["matmul"] + row["attention"] + row["memory_bound"]
+                                             + row["collectives"])
+    assert row["error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
+    assert "llama-1b (quick)" in capsys.readouterr().out
+
+
 def test_memory_bound_bytes_read_operands_write_results_and_slice_stacked_ones():
     """`x * 2 + 1` over n floats moves 8n bytes; a scan over L stacked rows (`x <- x * w_i + 1`) reads the
     row it slices, not the stack, each of its L iterations (3 rows of traffic, plus the carry's copies)."""
