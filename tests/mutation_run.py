@@ -57,12 +57,13 @@ def toml_value(v) -> str:
 
 
 def prepare(module: str, work: Path, fresh: bool) -> None:
-    """The work folder: fresh copies of src/ and tests/, and the module's own [tool.mutmut]."""
+    """The work folder: fresh copies of src/, tests/ and recipes/ (the recipe tests load a script from
+    it), and the module's own [tool.mutmut]."""
     base, modules = settings()
     if fresh and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    for d in ("src", "tests"):
+    for d in ("src", "tests", "recipes"):
         shutil.rmtree(work / d, ignore_errors=True)
         shutil.copytree(ROOT / d, work / d, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
     mine = {**base, "only_mutate": [f"src/eqgpt/{module}"], "pytest_add_cli_args_test_selection": modules[module]}
