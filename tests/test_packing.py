@@ -7,7 +7,7 @@ import pytest
 
 import eqgpt
 from eqgpt.data import Batch
-from eqgpt.data.packing import PackedLoader, document_pieces, pack_documents, packing_efficiency
+from eqgpt.data.packing import PackedLoader, document_pieces, pack_documents, packed_windows, packing_efficiency
 from eqgpt.nn import GPT
 from eqgpt.parallel.strategy import lm_batch_loss
 
@@ -172,3 +172,117 @@ def test_packed_recipe_resumes_bitwise(tmp_path):
 
     data = json.loads((tmp_path / "b" / "checkpoints" / "8" / "meta" / "metadata").read_text())["extras"]["data"]
     assert data["grain"] == {"next_index": 8} and data["mode"] == "packed"  # the iterator state
+
+
+# ---------------------------------------------------------------- found by mutation testing (data/packing.py)
+
+def best_fit_decreasing(lengths: list[int], cap: int) -> list[list[int]]:
+    """An independent best-fit-decreasing: full pieces alone first; then the other pieces longest first (ties
+    in document order), each into the open row with the least room that fits it (ties: the row that reached
+    that room last), else a new row."""
+    rows = [[i] for i, n in enumerate(lengths) if n == cap]
+    bins, room, stamp = [], [], []
+    short = sorted((i for i, n in enumerate(lengths) if n < cap), key=lambda i: -lengths[i])
+    for t, i in enumerate(short):
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        b = min(fits, key=lambda b: (room[b], -stamp[b])) if fits else len(bins)
+        if b == len(bins):
+            bins.append([]), room.append(cap), stamp.append(0)
+        bins[b].append(i)
+        room[b] -= lengths[i]
+        stamp[b] = t
+    return rows + bins
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_plan_is_best_fit_decreasing_with_ties_in_document_order(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.choice([0, 1, 2, 3, 5, 8, 8, 12, 15, 16, 17, 17, 40], 120)  # ties, splits, rows left with 2
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    starts, pieces = document_pieces(bounds, 16)
+    rows = best_fit_decreasing(pieces.tolist(), 17)
+    plan = pack_documents(bounds, 16)
+    assert plan.row_ptr.tolist() == np.cumsum([0] + [len(r) for r in rows]).tolist()
+    assert plan.starts.tolist() == [int(starts[i]) for r in rows for i in r]
+
+
+def test_a_row_left_with_two_slots_takes_a_two_token_piece_and_equal_rooms_stay_open():
+    assert pack_documents(np.cumsum([0, 31, 2]), SEQ).num_rows == 1  # 33 slots: 31 + 2
+    assert pack_documents(np.cumsum([0, 30, 30, 2, 2]), SEQ).num_rows == 2  # both rows of room 3 take a 2
+    assert pack_documents(np.cumsum([0, 20, 13, 13, 20]), SEQ).num_rows == 2  # longest first: 20 + 13 twice
+
+
+def test_packed_rows_hold_their_pieces_exactly():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 45, 60)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = rng.integers(1, 1000, bounds[-1]).astype(np.int32)
+    plan = pack_documents(bounds, SEQ)
+    rows = np.arange(plan.num_rows)
+    out, seg, pos, has_target = packed_windows(tokens, plan, rows)
+    assert has_target.dtype == np.float32 and set(np.unique(has_target).tolist()) <= {0.0, 1.0}
+    for r in rows:
+        k0, k1 = plan.row_ptr[r], plan.row_ptr[r + 1]
+        pieces = [tokens[s:s + n] for s, n in zip(plan.starts[k0:k1], plan.lengths[k0:k1], strict=True)]
+        used = sum(len(p) for p in pieces)
+        assert out[r, :used].tolist() == np.concatenate(pieces).tolist() and not out[r, used:].any()
+        assert seg[r, :used].tolist() == [j + 1 for j, p in enumerate(pieces) for _ in p]  # 1, 2, ... per row
+        assert pos[r, :used].tolist() == [i for p in pieces for i in range(len(p))]
+        assert has_target[r, :used].tolist() == [float(i < len(p) - 1) for p in pieces for i in range(len(p))]
+        assert not (seg[r, used:].any() or pos[r, used:].any() or has_target[r, used:].any())
+
+
+def test_fill_efficiency_and_split_count_on_a_small_plan(caplog):
+    bounds = np.cumsum([0, 5, 1, 70, 33])  # 70 tokens split in three; 33 = seq_len + 1 is not split
+    with caplog.at_level("INFO", logger="eqgpt.data.packing"):
+        plan = pack_documents(bounds, SEQ)
+    assert plan.split_docs == 1 and plan.num_rows == 4
+    assert plan.fill() == pytest.approx((5 + 33 + 33 + 6 + 33) / (4 * 33))
+    assert caplog.messages == ["packing: 1 of 4 documents are longer than seq_len + 1 = 33 tokens; they are split "
+                               "into pieces of 33 tokens (overlapping by one), positions restarting per piece."]
+    tokens = np.arange(1, bounds[-1] + 1, dtype=np.int32)
+    loader = PackedLoader(tokens, bounds, batch_size=4, seq_len=SEQ)
+    # the inputs (each row's first 32 slots): three full rows, and one of 5 + 6 tokens with 4 + 5 targets
+    assert packing_efficiency(loader.local_batch(0)) == {"real": (3 * 32 + 11) / 128, "trained": (3 * 32 + 9) / 128}
+
+
+def test_bounds_of_any_integer_dtype_give_the_same_pieces():
+    bounds = np.cumsum([0, 5, 1, 70])
+    expected = [a.tolist() for a in document_pieces(bounds, SEQ)]
+    for dtype in (np.uint16, np.uint32, np.int32):
+        assert [a.tolist() for a in document_pieces(bounds.astype(dtype), SEQ)] == expected
+
+
+def test_bad_packing_inputs_name_the_problem():
+    with pytest.raises(ValueError, match=r"^seq_len must be positive, got 0\.$"):
+        pack_documents(np.array([0, 5]), 0)
+    with pytest.raises(ValueError, match=r"^no document has 2 or more tokens: nothing to pack; add text or use "
+                                         r"mode='windows'\.$"):
+        pack_documents(np.array([0, 1, 2]), SEQ)
+    tokens = np.arange(10, dtype=np.int32)
+    for batch_size, seq_len in ((0, SEQ), (2, 0)):
+        with pytest.raises(ValueError, match=rf"^batch_size and seq_len must be positive, got {batch_size}, "
+                                             rf"{seq_len}\.$"):
+            PackedLoader(tokens, np.array([0, 10]), batch_size=batch_size, seq_len=seq_len)
+    with pytest.raises(ValueError, match=r"^document boundaries end at 9, but there are 10 tokens\.$"):
+        PackedLoader(tokens, np.array([0, 4, 9]), batch_size=2, seq_len=SEQ)
+
+
+def test_packed_loader_state_windows_and_default_seed():
+    rng = np.random.default_rng(2)
+    bounds = np.concatenate([[0], np.cumsum(rng.integers(2, 50, 100))])
+    tokens = rng.integers(1, 256, bounds[-1]).astype(np.int32)
+    loader = PackedLoader(tokens, bounds, batch_size=4, seq_len=SEQ)
+    assert np.array_equal(loader.local_batch(5).tokens, PackedLoader(tokens, bounds, batch_size=4, seq_len=SEQ,
+                                                                     seed=0).local_batch(5).tokens)
+    windows, batch = loader.local_windows(5), loader.local_batch(5)
+    assert windows.shape == (4, SEQ + 1)
+    assert np.array_equal(windows[:, :-1], batch.tokens) and np.array_equal(windows[:, 1:], batch.targets)
+    state = loader.state(7)
+    assert state == {"seed": 0, "step": 7, "mode": "packed", "batch_size": 4, "seq_len": SEQ}
+    assert loader.restore(state) == 7
+    with pytest.raises(ValueError, match=r"^the checkpoint's data pipeline differs from this run's: batch_size was "
+                                         r"8, now 4; resume"):
+        loader.restore({**state, "batch_size": 8})
+    with pytest.raises(ValueError, match=r"mode was 'windows', now 'packed'"):
+        loader.restore({**state, "mode": "windows"})
