@@ -22,7 +22,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 
 from eqgpt.data.batch import Batch
-from eqgpt.data.loader import BatchLoader, check_state
+from eqgpt.data.loader import BatchLoader, check_state, loader_state
 from eqgpt.data.packing import PackedLoader
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,7 @@ class GrainLoader:
 
     def state(self, step: int) -> dict:
         """What a checkpoint at `step` stores: the Grain iterator state and what it depends on."""
-        return {"seed": self.seed, "step": int(step), "mode": self.mode, "batch_size": self.batch_size,
-                "seq_len": self.seq_len, "grain": {"next_index": int(step)}}
+        return {**loader_state(self, step), "grain": {"next_index": int(step)}}
 
     def restore(self, state: dict) -> int:
         """Resume from a checkpoint's `state`; **returns** its step. `ValueError` if the data changed."""

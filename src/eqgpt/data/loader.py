@@ -30,10 +30,16 @@ def process_rows(batch_size: int, process_index: int, process_count: int) -> tup
     return process_index * per, (process_index + 1) * per
 
 
+def loader_state(loader, step: int) -> dict:
+    """What a checkpoint at `step` stores of a loader: the step, and the seed, mode and batch shape that
+    fix every batch from it (`check_state` compares them on restore)."""
+    return {"seed": loader.seed, "step": int(step), "mode": loader.mode, "batch_size": loader.batch_size,
+            "seq_len": loader.seq_len}
+
+
 def check_state(loader, state: dict) -> None:
     """`ValueError` if a checkpoint's data state was written with another seed, mode or batch shape."""
-    mine = {"seed": loader.seed, "mode": loader.mode,
-            "batch_size": loader.batch_size, "seq_len": loader.seq_len}
+    mine = {k: v for k, v in loader_state(loader, 0).items() if k != "step"}
     diff = {k: (state[k], v) for k, v in mine.items() if k in state and state[k] != v}
     if diff:
         raise ValueError(
@@ -98,10 +104,8 @@ class BatchLoader:
         return Batch.from_windows(self.local_windows(step))
 
     def state(self, step: int) -> dict:
-        """What a checkpoint at `step` stores: the seed and the step fix every later batch of this
-        shape, so the shape is stored too, for `restore` to check."""
-        return {"seed": self.seed, "step": int(step), "mode": self.mode, "batch_size": self.batch_size,
-                "seq_len": self.seq_len}
+        """What a checkpoint at `step` stores (`loader_state`)."""
+        return loader_state(self, step)
 
     def restore(self, state: dict) -> int:
         """Check a checkpoint's data `state` against this loader; **returns** its step."""

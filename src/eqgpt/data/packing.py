@@ -39,7 +39,7 @@ import numpy as np
 from jaxtyping import Integer
 
 from eqgpt.data.batch import Batch
-from eqgpt.data.loader import check_state, process_rows
+from eqgpt.data.loader import check_state, loader_state, process_rows
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +219,8 @@ class PackedLoader:
     mode = "packed"
 
     def state(self, step: int) -> dict:
-        """What a checkpoint at `step` stores (the plan is a function of the corpus and `seq_len`)."""
-        return {"seed": self.seed, "step": int(step), "mode": self.mode, "batch_size": self.batch_size,
-                "seq_len": self.seq_len}
+        """What a checkpoint at `step` stores (`loader_state`; the plan is a function of the corpus and `seq_len`)."""
+        return loader_state(self, step)
 
     def restore(self, state: dict) -> int:
         """Check a checkpoint's data `state` against this loader; **returns** its step."""
